@@ -1,0 +1,157 @@
+"""Command line: ``lsgd train`` runs one node of a job (``train.sh`` calls it).
+
+Examples::
+
+    lsgd train --node-index 0                                  # whole job on this machine
+    lsgd train --node-index 0 --num-groups 2 --ip-addr 10.0.0.1  # on node 0 (hosts the server)
+    lsgd train --node-index 1 --num-groups 2 --ip-addr 10.0.0.1  # on node 1
+
+Every flag has an environment variable in ``train.sh``; ``lsgd train --help`` lists them all.
+Exit status: 0 when the job finished, 1 on a runtime failure, 2 on a bad configuration,
+130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import signal
+import sys
+import typing
+
+from .config import ConfigError, JobConfig, fields
+
+log = logging.getLogger("lsgd")
+
+READY_TIMEOUT = 30.0  # seconds for the global server process to start listening
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lsgd", description="LSGD / EASGD parameter server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run one node of a job",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    hints = typing.get_type_hints(JobConfig)
+    for f in fields():
+        kind = hints[f.name]
+        base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+        optional = type(None) in typing.get_args(kind)
+
+        def convert(text: str, base=base, optional=optional, name=f.name):
+            if optional and text.strip().lower() in ("", "none"):
+                return None
+            try:
+                return base(text)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{name} must be {base.__name__}, got '{text}'")
+
+        train.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=convert,
+                           default=f.default, help=f.metadata.get("help"))
+    train.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return parser
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _start_global(config: JobConfig, level: int) -> tuple[mp.process.BaseProcess, int]:
+    from .global_server.server import process_main
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=process_main, args=(config, child, level), name="lsgd-global")
+    proc.start()
+    child.close()
+    if not parent.poll(READY_TIMEOUT):
+        proc.terminate()
+        raise RuntimeError(f"the global server did not start within {READY_TIMEOUT:g} s")
+    try:
+        status, value = parent.recv()
+    except EOFError:
+        proc.join(5)
+        raise RuntimeError(f"the global server exited during start (code {proc.exitcode})") from None
+    if status != "ready":
+        proc.join(5)
+        raise RuntimeError(f"the global server could not start: {value}")
+    return proc, value
+
+
+def _stop_global(proc: mp.process.BaseProcess, wait: float) -> None:
+    proc.join(wait)
+    if proc.is_alive():
+        log.warning("global server still running after %g s; terminating it", wait)
+        proc.terminate()
+        proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def train(config: JobConfig, level: int) -> int:
+    """Run this node (and, on node 0, the global server). Returns the exit code."""
+    from .local_server.server import LocalServer
+
+    # One BLAS thread per worker process: workers already use every core.
+    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(var, "1")
+    global_proc = None
+    code = 1
+    try:
+        port = config.port
+        if config.node_index == 0:
+            global_proc, port = _start_global(config, level)
+        server = LocalServer(config, f"{config.ip_addr}:{port}", level)
+        code = server.run()
+        _print_summary(server.summary, code)
+    except KeyboardInterrupt:
+        code = 130
+    except RuntimeError as exc:
+        log.error("%s", exc)
+        code = 1
+    finally:
+        if global_proc is not None:
+            _stop_global(global_proc, wait=config.node_timeout + 5 if code == 0 else 5)
+            if code == 0 and global_proc.exitcode not in (0, None):
+                log.error("global server exited with code %s", global_proc.exitcode)
+                code = 1
+    return code
+
+
+def _print_summary(summary: dict, code: int) -> None:
+    if code != 0:
+        return
+    lines = [f"lsgd: node {summary.get('node')} finished in {summary.get('seconds', 0):.1f} s; "
+             f"global counter {summary.get('counter')}; this node's workers did "
+             f"{sum(summary.get('workers', {}).values())} iterations"]
+    ev = summary.get("evaluation") or {}
+    leader = summary.get("final_leader", {})
+    parts = []
+    for name, label in (("leader", f"final leader (worker {leader.get('worker_id')})"),
+                        ("average", "worker average"), ("center", "center")):
+        if name in ev and "accuracy" in ev[name]:
+            parts.append(f"{label} {ev[name]['accuracy']:.4f}")
+    if parts:
+        lines.append("lsgd: test accuracy: " + ", ".join(parts))
+    print("\n".join(lines), flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    level = getattr(logging, args.log_level)
+    logging.basicConfig(level=level, format="%(asctime)s node %(levelname)s %(message)s")
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobConfig)}
+    try:
+        config = JobConfig(**values)
+    except ConfigError as exc:
+        print(f"lsgd: error: {exc}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _interrupt)
+    return train(config, level)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""The job configuration: one frozen dataclass, validated in one place.
+
+``train.sh`` turns its knobs (environment variables) into ``lsgd train`` flags; the flags are
+generated from the fields below, so a knob, its flag and its check cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .rules import EASGD, LSGD, RULES, Rule
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message says which and how to fix it."""
+
+
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """Everything a node needs to take part in a job. Identical on every node but node_index."""
+
+    node_index: int = _f(0, "index of this node, 0 .. num_groups-1 (node 0 hosts the global server)")
+    ip_addr: str = _f("127.0.0.1", "address of node 0, where the global server listens")
+    port: int = _f(50051, "global server port (0: any free port, written to RUN_DIR/global.port)")
+    num_groups: int = _f(1, "number of nodes in the job")
+    workers: int = _f(2, "worker processes per node")
+    algorithm: str = _f("lsgd", "training rule: lsgd | easgd")
+    c1: float = _f(0.1, "LSGD pulling strength toward the local (node) leader, in [0, 1]")
+    c2: float = _f(0.1, "LSGD pulling strength toward the global leader, in [0, 1]")
+    p1: float = _f(0.0, "LSGD per-step proximal pull toward the last local leader (reference code, not the paper)")
+    p2: float = _f(0.0, "LSGD per-step proximal pull toward the last global leader (reference code, not the paper)")
+    alpha: float = _f(0.1, "EASGD moving rate of the workers toward the center, in [0, 1]")
+    beta: float | None = _f(None, "EASGD moving rate of the center (default alpha * participants)")
+    l_comm: int = _f(16, "local round period, in iterations per worker")
+    g_comm: int = _f(64, "global round period, in iterations per worker (a multiple of l_comm)")
+    avg_size: int | None = _f(None, "losses averaged for leader election (default l_comm // 2)")
+    lr: float = _f(0.05, "learning rate of the local optimizer")
+    momentum: float = _f(0.9, "Nesterov momentum of the local optimizer")
+    batch_size: int = _f(32, "minibatch size")
+    iterations: int | None = _f(6000, "iteration budget: total SGD steps summed over all workers of all nodes")
+    minutes: float | None = _f(None, "wall-clock budget on the global server's clock")
+    seed: int = _f(0, "random seed (model init is shared; data order differs per worker)")
+    run_dir: str = _f("runs/lsgd", "output directory; each node writes RUN_DIR/node<i>/")
+    job_id: str = _f("lsgd", "job name; every node must use the same one")
+    entry: str = _f("lsgd.jobs.digits_mlp:main", "worker function, module:function")
+    round_timeout: float = _f(30.0, "seconds a round waits for late workers or nodes")
+    node_timeout: float = _f(5.0, "seconds of silence after which the global server drops a node")
+    join_timeout: float = _f(60.0, "seconds the job waits for all nodes to join before it starts")
+    connect_timeout: float = _f(20.0, "seconds a node retries to reach the global server")
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Raise ConfigError naming the first wrong key and its valid range."""
+
+        def need(ok: bool, msg: str) -> None:
+            if not ok:
+                raise ConfigError(msg)
+
+        need(self.algorithm in RULES,
+             f"algorithm '{self.algorithm}' is unknown; choose one of: {', '.join(sorted(RULES))}")
+        need(self.num_groups >= 1, f"num_groups must be >= 1, got {self.num_groups}")
+        need(0 <= self.node_index < self.num_groups,
+             f"node index {self.node_index} is out of range for num_groups={self.num_groups}; "
+             f"use 0 .. {self.num_groups - 1}")
+        need(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
+        need(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
+        need(self.port != 0 or self.node_index == 0,
+             "port 0 (any free port) is only valid on node 0; give other nodes the real port")
+        for name in ("c1", "c2", "p1", "p2", "alpha"):
+            v = getattr(self, name)
+            need(0.0 <= v <= 1.0, f"{name} (pulling strength) must be in [0, 1], got {v}")
+        if self.beta is not None:
+            need(0.0 <= self.beta <= 1.0, f"beta must be in [0, 1], got {self.beta}")
+        elif self.algorithm == EASGD.name:
+            most = self.alpha * self.num_groups * self.workers
+            need(most <= 1.0, f"alpha * workers in the job = {most:g} > 1 makes the EASGD center "
+                 f"diverge; lower alpha or set beta in [0, 1]")
+        need(self.l_comm >= 1, f"l_comm must be >= 1, got {self.l_comm}")
+        need(self.g_comm >= 1 and self.g_comm % self.l_comm == 0,
+             f"g_comm ({self.g_comm}) must be a positive multiple of l_comm ({self.l_comm})")
+        need(self.avg_size is None or self.avg_size >= 1, f"avg_size must be >= 1, got {self.avg_size}")
+        need(self.lr > 0 and math.isfinite(self.lr), f"lr must be > 0, got {self.lr}")
+        need(0.0 <= self.momentum < 1.0, f"momentum must be in [0, 1), got {self.momentum}")
+        need(self.batch_size >= 1, f"batch_size must be >= 1, got {self.batch_size}")
+        need(self.iterations is not None or self.minutes is not None,
+             "set an iteration budget (ITERATIONS) or a time budget (MINUTES), or both")
+        need(self.iterations is None or self.iterations >= 1,
+             f"iterations must be >= 1, got {self.iterations}")
+        need(self.minutes is None or self.minutes > 0, f"minutes must be > 0, got {self.minutes}")
+        need(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.job_id) is not None,
+             f"job_id '{self.job_id}' must be 1-64 letters, digits, '_', '.' or '-'")
+        need(re.fullmatch(r"[\w.]+:\w+", self.entry) is not None,
+             f"entry '{self.entry}' must look like package.module:function")
+        for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout"):
+            v = getattr(self, name)
+            need(v > 0, f"{name} must be > 0 seconds, got {v}")
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def window(self) -> int:
+        """Losses averaged for leader election."""
+        return self.avg_size if self.avg_size is not None else max(1, self.l_comm // 2)
+
+    @property
+    def total_workers(self) -> int:
+        return self.num_groups * self.workers
+
+    def worker_id(self, local_index: int) -> int:
+        """Global id of this node's worker ``local_index``."""
+        return self.node_index * self.workers + local_index
+
+    def make_rule(self) -> Rule:
+        """Instantiate the configured training rule."""
+        if self.algorithm == LSGD.name:
+            return LSGD(self.c1, self.c2, self.p1, self.p2, self.l_comm, self.g_comm)
+        return EASGD(self.alpha, self.beta)
+
+    def replace(self, **changes: Any) -> "JobConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def fields() -> list[dataclasses.Field]:
+    """The config fields, in declaration order (used to build the CLI)."""
+    return list(dataclasses.fields(JobConfig))

@@ -1,0 +1,374 @@
+"""The global server's brain: counter, credits, rounds, membership and the stop rule.
+
+Pure Python, no I/O, no threads: every method takes ``now`` (seconds, any monotonic origin) and
+returns a decision. The gRPC servicer holds the lock and translates protobuf to these calls.
+
+Counting. Workers step on *credits*: the coordinator grants a node credits, the node hands them
+to its workers, and each SGD step consumes one. Consumed steps are reported back and added to
+the global counter ``done``, which therefore equals the number of steps actually taken. Credits
+are never granted past the next *target* (the next round boundary or the end of the budget):
+``done + outstanding <= target``. When ``done`` reaches the target, every granted credit has
+been used, the round opens, and each node learns of it on its next request. This keeps Algorithm
+1's rule — a local round each time the global total crosses a multiple of
+``num_groups*workers*l_comm``, a global round at multiples of ``num_groups*workers*g_comm`` —
+exact, while a node talks to the global server only a few times per round.
+
+Faults. A node silent for ``node_timeout`` is dropped: its outstanding credits are forfeited
+(free for others), and no round waits for it. A round closes when every expected node has
+reported or ``round_timeout`` has passed; late reports are told they missed it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+from dataclasses import dataclass, field
+
+from ..leader import Candidate, elect
+from ..rules.base import RoundKind
+
+log = logging.getLogger(__name__)
+
+
+class CoordinatorError(Exception):
+    """A request the coordinator refuses; ``code`` names the gRPC status to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # "INVALID_ARGUMENT" | "FAILED_PRECONDITION" | "NOT_FOUND"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where the rounds fall on the global counter, and the iteration budget."""
+
+    local_period: int | None  # None: no local rounds
+    global_period: int
+    max_iterations: int | None
+
+    @classmethod
+    def for_job(cls, *, num_groups: int, workers: int, l_comm: int, g_comm: int,
+                local_rounds: bool, max_iterations: int | None) -> "Schedule":
+        n = num_groups * workers
+        return cls(n * l_comm if local_rounds else None, n * g_comm, max_iterations)
+
+    def next_event(self, after: int) -> tuple[int, RoundKind]:
+        """The first boundary strictly after ``after`` and the kind of round it triggers."""
+        candidates = [((after // self.global_period) + 1) * self.global_period]
+        if self.local_period:
+            candidates.append(((after // self.local_period) + 1) * self.local_period)
+        target = min(candidates)
+        kind = RoundKind.GLOBAL if target % self.global_period == 0 else RoundKind.LOCAL
+        if self.max_iterations is not None and target >= self.max_iterations:
+            return self.max_iterations, RoundKind.FINAL
+        return target, kind
+
+
+@dataclass
+class NodeState:
+    index: int
+    session: int
+    workers: int
+    joined_at: float
+    last_seen: float
+    outstanding: int = 0
+    last_round_seen: int = 0
+    alive: bool = True
+    left: bool = False
+    consumed: int = 0  # total steps this node reported
+
+
+@dataclass
+class RoundState:
+    id: int
+    kind: RoundKind
+    iteration: int
+    opened_at: float
+    expected: set[int]
+    reports: dict[int, tuple[Candidate | None, int]] = field(default_factory=dict)
+    closed: bool = False
+    leader: Candidate | None = None
+    leader_node: int | None = None
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Answer to a credit request."""
+
+    grant: int = 0
+    round: RoundState | None = None  # run this round before training on
+    wait: bool = False  # nothing to give yet: ask again (the servicer long-polls)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """Answer to a round report."""
+
+    ready: bool  # False: the round is still open, wait
+    missed: bool = False
+    leader: Candidate | None = None
+    leader_node: int | None = None
+    participants: int = 0
+    nodes: tuple[int, ...] = ()
+
+
+class Coordinator:
+    """State machine of the global server. Not thread-safe: the caller holds a lock."""
+
+    def __init__(self, *, job_id: str, algorithm: str, num_groups: int, workers: int,
+                 schedule: Schedule, max_seconds: float | None, node_timeout: float,
+                 round_timeout: float, join_timeout: float, now: float,
+                 rng: random.Random | None = None) -> None:
+        self.job_id, self.algorithm = job_id, algorithm
+        self.num_groups, self.workers = num_groups, workers
+        self.schedule = schedule
+        self.node_timeout, self.round_timeout = node_timeout, round_timeout
+        self.started_at = now
+        self.join_deadline = now + join_timeout
+        self.deadline = now + max_seconds if max_seconds is not None else None
+        self.rng = rng or random.SystemRandom()
+        self.nodes: dict[int, NodeState] = {}
+        self.done = 0
+        self.started = False
+        self.stop_reason: str | None = None
+        self.period_start = 0
+        self.target, self.target_kind = schedule.next_event(0)
+        self.round: RoundState | None = None  # newest round
+        self.rounds_opened = 0
+        self.center_seeded = False
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def outstanding(self) -> int:
+        return sum(n.outstanding for n in self.nodes.values() if n.alive)
+
+    @property
+    def live_nodes(self) -> list[NodeState]:
+        return [n for n in self.nodes.values() if n.alive and not n.left]
+
+    @property
+    def finished(self) -> bool:
+        """The final round has closed."""
+        return self.round is not None and self.round.kind == RoundKind.FINAL and self.round.closed
+
+    @property
+    def all_gone(self) -> bool:
+        """Every node that joined has left or been dropped (and at least one joined)."""
+        return bool(self.nodes) and not self.live_nodes
+
+    def _node(self, index: int, session: int, now: float) -> NodeState:
+        node = self.nodes.get(index)
+        if node is None or node.session != session:
+            raise CoordinatorError("FAILED_PRECONDITION",
+                                   f"node {index} is not a member of job '{self.job_id}' "
+                                   "(never joined, or replaced by a newer session); restart it")
+        if not node.alive:
+            raise CoordinatorError("FAILED_PRECONDITION",
+                                   f"node {index} was dropped after {self.node_timeout:g} s of "
+                                   "silence; restart it with train.sh to rejoin")
+        node.last_seen = now
+        return node
+
+    # ------------------------------------------------------------------ membership
+    def join(self, *, job_id: str, index: int, workers: int, algorithm: str, num_groups: int,
+             now: float) -> tuple[NodeState, bool]:
+        """Admit a node. Returns its state and whether it seeds the EASGD center."""
+        if job_id != self.job_id:
+            raise CoordinatorError("FAILED_PRECONDITION",
+                                   f"job id '{job_id}' does not match the server's '{self.job_id}'")
+        if algorithm != self.algorithm or num_groups != self.num_groups or workers != self.workers:
+            raise CoordinatorError(
+                "FAILED_PRECONDITION",
+                f"node {index} runs algorithm={algorithm} num_groups={num_groups} workers={workers} "
+                f"but the job runs algorithm={self.algorithm} num_groups={self.num_groups} "
+                f"workers={self.workers}; use the same train.sh settings on every node")
+        if not 0 <= index < self.num_groups:
+            raise CoordinatorError("INVALID_ARGUMENT",
+                                   f"node index {index} is out of range 0..{self.num_groups - 1}")
+        old = self.nodes.get(index)
+        if old is not None and old.alive and not old.left:
+            raise CoordinatorError("FAILED_PRECONDITION",
+                                   f"node {index} is already in the job; each node index runs once")
+        if self.finished:
+            raise CoordinatorError("FAILED_PRECONDITION", "the job has finished")
+        session = self.rng.getrandbits(63) | 1
+        node = NodeState(index, session, workers, joined_at=now, last_seen=now,
+                         last_round_seen=self.round.id if self.round else 0)
+        self.nodes[index] = node
+        seed = not self.center_seeded
+        self.center_seeded = True
+        if len(self.live_nodes) == self.num_groups:
+            self.started = True
+        log.info("node %d joined (%d/%d live)", index, len(self.live_nodes), self.num_groups)
+        return node, seed
+
+    def heartbeat(self, index: int, session: int, now: float) -> None:
+        self._node(index, session, now)
+
+    def leave(self, index: int, session: int, consumed: int, late: int, now: float) -> None:
+        node = self._node(index, session, now)
+        self._consume(node, consumed, late, 0)
+        node.left = True
+        node.outstanding = 0
+        log.info("node %d left; counter %d", index, self.done)
+        self._maybe_close_round(now)
+
+    # ------------------------------------------------------------------ credits
+    def _consume(self, node: NodeState, consumed: int, late: int, released: int) -> None:
+        if min(consumed, late, released) < 0:
+            raise CoordinatorError("INVALID_ARGUMENT", "counts must be >= 0")
+        if consumed + released > node.outstanding:
+            raise CoordinatorError(
+                "INVALID_ARGUMENT",
+                f"node {node.index} reports {consumed} consumed + {released} released but holds "
+                f"only {node.outstanding} credits")
+        node.outstanding -= consumed + released
+        node.consumed += consumed + late
+        self.done += consumed + late
+
+    def acquire(self, index: int, session: int, *, consumed: int, late: int, released: int,
+                want: int, last_round_seen: int, now: float) -> Grant:
+        """Report consumed steps and ask for ``want`` more credits."""
+        node = self._node(index, session, now)
+        if last_round_seen > (self.round.id if self.round else 0):
+            raise CoordinatorError("INVALID_ARGUMENT",
+                                   f"round {last_round_seen} does not exist yet")
+        self._consume(node, consumed, late, released)
+        node.last_round_seen = max(node.last_round_seen, last_round_seen)
+        self.tick(now)
+        rnd = self.round
+        if rnd is not None and node.last_round_seen < rnd.id and index in rnd.expected:
+            return Grant(round=rnd)
+        if self.finished or (rnd is not None and rnd.kind == RoundKind.FINAL):
+            return Grant(wait=False)
+        if not self.started or want <= 0:
+            return Grant(wait=want > 0)
+        free = self.target - self.done - self.outstanding
+        if free <= 0:
+            return Grant(wait=True)
+        # Half a fair share of the period per request: a fast node comes back for more of what
+        # is left, so nodes of different speeds share a period without revoking credits.
+        live = max(1, len(self.live_nodes))
+        grant = min(want, free, max(1, math.ceil((self.target - self.period_start) / (2 * live))))
+        node.outstanding += grant
+        return Grant(grant=grant)
+
+    # ------------------------------------------------------------------ time
+    def tick(self, now: float) -> list[int]:
+        """Advance time: start, drop silent nodes, stop on the deadline, open/close rounds.
+
+        Returns the indices of the nodes dropped by this call.
+        """
+        dropped = []
+        for node in self.live_nodes:
+            if now - node.last_seen > self.node_timeout:
+                node.alive = False
+                node.outstanding = 0
+                dropped.append(node.index)
+                log.warning("node %d dropped: silent for %.1f s (node_timeout %g s)",
+                            node.index, now - node.last_seen, self.node_timeout)
+        if not self.started and now >= self.join_deadline and self.live_nodes:
+            self.started = True
+            log.warning("starting with %d of %d nodes after the join timeout",
+                        len(self.live_nodes), self.num_groups)
+        if self.deadline is not None and now >= self.deadline and self.stop_reason is None:
+            self._stop("time budget reached")
+        self._maybe_open_round(now)
+        self._maybe_close_round(now)
+        return dropped
+
+    def _stop(self, reason: str) -> None:
+        """Grant nothing more; the final round opens once granted credits are used."""
+        self.stop_reason = reason
+        if self.round is None or self.round.kind != RoundKind.FINAL:
+            self.target = min(self.target, self.done + self.outstanding)
+            self.target_kind = RoundKind.FINAL
+        log.info("stopping: %s (counter %d)", reason, self.done)
+
+    def _maybe_open_round(self, now: float) -> None:
+        if not self.started or self.done < self.target:
+            return
+        if self.round is not None and (self.round.kind == RoundKind.FINAL or not self.round.closed):
+            return
+        if self.target_kind == RoundKind.FINAL and self.stop_reason is None:
+            self.stop_reason = "iteration budget reached"
+        self.rounds_opened += 1
+        self.round = RoundState(self.rounds_opened, self.target_kind, self.target, now,
+                                expected={n.index for n in self.live_nodes})
+        log.debug("round %d (%s) at %d", self.round.id, self.round.kind.name, self.target)
+        if self.target_kind != RoundKind.FINAL:
+            self.period_start = self.target
+            self.target, self.target_kind = self.schedule.next_event(self.target)
+            if self.stop_reason is not None:
+                self.target, self.target_kind = self.done, RoundKind.FINAL
+        if self.round.kind == RoundKind.LOCAL:
+            # Local rounds have no cross-node barrier: each node runs its own.
+            self.round.closed = True
+
+    def _maybe_close_round(self, now: float) -> None:
+        rnd = self.round
+        if rnd is None or rnd.closed:
+            return
+        waiting = {i for i in rnd.expected - set(rnd.reports)
+                   if self.nodes[i].alive and not self.nodes[i].left}
+        if waiting and now - rnd.opened_at < self.round_timeout:
+            return
+        if waiting:
+            log.warning("round %d closed without node(s) %s after %g s", rnd.id, sorted(waiting),
+                        self.round_timeout)
+        rnd.closed = True
+        rnd.leader = elect(c for c, _ in rnd.reports.values() if c is not None)
+        if rnd.leader is not None:
+            rnd.leader_node = next(i for i, (c, _) in rnd.reports.items() if c == rnd.leader)
+
+    # ------------------------------------------------------------------ rounds
+    def report(self, index: int, session: int, round_id: int, best: Candidate | None,
+               participants: int, now: float) -> RoundOutcome:
+        """A node's part of round ``round_id``; call ``outcome`` until ready."""
+        node = self._node(index, session, now)
+        rnd = self.round
+        if rnd is None or round_id != rnd.id:
+            if rnd is not None and 0 < round_id < rnd.id:
+                return RoundOutcome(ready=True, missed=True)
+            raise CoordinatorError("INVALID_ARGUMENT", f"round {round_id} is not open")
+        if best is not None and best.worker_id // self.workers != index:
+            raise CoordinatorError("INVALID_ARGUMENT",
+                                   f"worker {best.worker_id} does not belong to node {index}")
+        if participants > node.workers or participants < 0:
+            raise CoordinatorError("INVALID_ARGUMENT",
+                                   f"{participants} participants but node {index} has "
+                                   f"{node.workers} workers")
+        node.last_round_seen = max(node.last_round_seen, round_id)
+        if rnd.kind == RoundKind.LOCAL:
+            return RoundOutcome(ready=True, leader=best, leader_node=index if best else None,
+                                participants=participants, nodes=(index,))
+        if rnd.closed:
+            return RoundOutcome(ready=True, missed=True)
+        if index in rnd.reports:
+            raise CoordinatorError("FAILED_PRECONDITION",
+                                   f"node {index} already reported round {round_id}")
+        rnd.reports[index] = (best, participants)
+        self._maybe_close_round(now)
+        return self.outcome(index, round_id)
+
+    def outcome(self, index: int, round_id: int) -> RoundOutcome:
+        """The result of a global/final round once it has closed."""
+        rnd = self.round
+        if rnd is None or rnd.id != round_id or index not in rnd.reports:
+            return RoundOutcome(ready=True, missed=True)
+        if not rnd.closed:
+            return RoundOutcome(ready=False)
+        return RoundOutcome(ready=True, leader=rnd.leader, leader_node=rnd.leader_node,
+                            participants=sum(p for _, p in rnd.reports.values()),
+                            nodes=tuple(sorted(rnd.reports)))
+
+    def snapshot(self) -> dict:
+        """A JSON-able summary of the state (for logs and the run summary)."""
+        return {
+            "counter": self.done,
+            "rounds": self.rounds_opened,
+            "stop_reason": self.stop_reason,
+            "nodes": {i: dataclasses.asdict(n) | {"session": None} for i, n in self.nodes.items()},
+        }

@@ -1,0 +1,233 @@
+"""Parameter buffers held by the global server and the exchange of one round.
+
+The global leader, the EASGD center and the running sum of node uploads live here as flat
+float32 vectors. Uploads and downloads are streams of raw chunks (never one huge message); sums
+are accumulated chunk by chunk in place, so the server's memory is a fixed 3x the model size.
+
+An *exchange* belongs to one global or final round: it knows which uploads it expects (the
+leader's node, or every reporting node's sum), and settles when they have all arrived, one
+failed, or its deadline passed. Downloads for that round wait until it settles.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import numpy as np
+
+from ..rules import ops
+from ..rules.base import RoundKind, Rule, Exchange as ExchangeKind
+
+log = logging.getLogger(__name__)
+
+LEADER, CENTER, SUM, AVERAGE = "global_leader", "center", "sum", "average"
+
+
+class ParamError(Exception):
+    """A refused upload or download; ``code`` is the gRPC status name to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Exchange:
+    round_id: int
+    kind: RoundKind
+    expected: set[tuple[int, str]]  # (node, buffer) uploads still to come
+    deadline: float
+    leader_ok: bool = False
+    summands: int = 0
+    sums_ok: bool = True
+    settled: bool = False
+    failed: list[str] = field(default_factory=list)
+
+
+class ParamStore:
+    """The global server's parameter buffers. Thread-safe."""
+
+    def __init__(self, rule: Rule, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rule = rule
+        self.clock = clock
+        self.param_count: int | None = None
+        self.buffers: dict[str, np.ndarray] = {}
+        self.center_ready = False
+        self.exchange: Exchange | None = None
+        self._cond = threading.Condition()
+
+    def set_param_count(self, count: int) -> None:
+        """Fix the model size at the first join; later joins must match."""
+        if count < 1:
+            raise ParamError("INVALID_ARGUMENT", f"param_count must be >= 1, got {count}")
+        with self._cond:
+            if self.param_count is None:
+                self.param_count = count
+                for name in (LEADER, CENTER, SUM):
+                    self.buffers[name] = np.zeros(count, dtype=np.float32)
+            elif count != self.param_count:
+                raise ParamError("FAILED_PRECONDITION",
+                                 f"this node's model has {count} parameters but the job's has "
+                                 f"{self.param_count}; every node must run the same model")
+
+    # ------------------------------------------------------------------ exchange
+    def begin(self, round_id: int, kind: RoundKind, leader_node: int | None,
+              reports: dict[int, int], timeout: float) -> None:
+        """Start the exchange of a closed global/final round.
+
+        Args:
+            reports: node index -> participants, for every node that reported in time.
+        """
+        expected: set[tuple[int, str]] = set()
+        if leader_node is not None and (kind == RoundKind.FINAL or self.rule.exchange == ExchangeKind.LEADER):
+            expected.add((leader_node, LEADER))
+        if kind == RoundKind.FINAL or self.rule.exchange == ExchangeKind.CENTER:
+            expected |= {(n, SUM) for n, p in reports.items() if p > 0}
+        with self._cond:
+            if self.exchange is not None and self.exchange.round_id >= round_id:
+                return
+            if any(b == SUM for _, b in expected) and self.param_count:
+                self.buffers[SUM].fill(0.0)
+            self.exchange = Exchange(round_id, kind, expected, self.clock() + timeout)
+            self._maybe_settle()
+            self._cond.notify_all()
+
+    def _maybe_settle(self) -> None:
+        ex = self.exchange
+        if ex is None or ex.settled:
+            return
+        if ex.expected and self.clock() < ex.deadline and not ex.failed:
+            return
+        if ex.expected:
+            ex.failed.append(f"missing uploads {sorted(ex.expected)}")
+            ex.sums_ok = False
+            log.warning("round %d exchange incomplete: %s", ex.round_id, "; ".join(ex.failed))
+        ex.settled = True
+        if ex.sums_ok and ex.summands > 0:
+            if ex.kind == RoundKind.GLOBAL and self.rule.exchange == ExchangeKind.CENTER:
+                self.rule.update_center_(self.buffers[CENTER], self.buffers[SUM], ex.summands)
+            elif ex.kind == RoundKind.FINAL:
+                ops.scale_(self.buffers[SUM], 1.0 / ex.summands)  # SUM now holds the average
+        self._cond.notify_all()
+
+    def poll(self) -> None:
+        """Settle an exchange whose deadline has passed (called by the server's ticker)."""
+        with self._cond:
+            self._maybe_settle()
+
+    # ------------------------------------------------------------------ uploads
+    def push(self, node: int, round_id: int, buffer: str, param_count: int, summands: int,
+             chunks: Iterable[tuple[int, bytes]]) -> None:
+        """Receive an upload of ``buffer`` from ``node``; ``chunks`` yields (offset, raw bytes)."""
+        with self._cond:
+            if self.param_count is None or param_count != self.param_count:
+                raise ParamError("INVALID_ARGUMENT",
+                                 f"upload of {param_count} parameters; the job's model has "
+                                 f"{self.param_count}")
+            if buffer == CENTER and round_id == 0:
+                if self.center_ready:
+                    raise ParamError("ALREADY_EXISTS", "the center is already seeded")
+                ex = None
+            else:
+                ex = self.exchange
+                if ex is None or ex.round_id != round_id or ex.settled or (node, buffer) not in ex.expected:
+                    raise ParamError("FAILED_PRECONDITION",
+                                     f"no upload of {buffer} from node {node} is expected for "
+                                     f"round {round_id} (closed, settled or not elected)")
+                if buffer == SUM and not 1 <= summands <= 1 << 20:
+                    raise ParamError("INVALID_ARGUMENT", f"summands must be >= 1, got {summands}")
+                ex.expected.discard((node, buffer))  # taken: a retry cannot double-add
+        target = self.buffers[SUM if buffer == SUM else (CENTER if buffer == CENTER else LEADER)]
+        try:
+            self._receive(target, chunks, add=(buffer == SUM))
+        except Exception as exc:
+            with self._cond:
+                if ex is not None and self.exchange is ex and not ex.settled:
+                    ex.failed.append(f"upload of {buffer} from node {node} broke: {exc}")
+                    if buffer == SUM:
+                        ex.sums_ok = False
+                    self._maybe_settle()
+            raise
+        with self._cond:
+            if ex is None:
+                self.center_ready = True
+            elif self.exchange is ex:
+                if buffer == SUM:
+                    ex.summands += summands
+                else:
+                    ex.leader_ok = True
+                self._maybe_settle()
+            self._cond.notify_all()
+
+    def _receive(self, target: np.ndarray, chunks: Iterable[tuple[int, bytes]], add: bool) -> None:
+        pos = 0
+        for offset, data in chunks:
+            if offset != pos or len(data) % 4 or pos + len(data) // 4 > target.size:
+                raise ParamError("INVALID_ARGUMENT",
+                                 f"chunk at {offset} of {len(data)} bytes does not continue at "
+                                 f"{pos} of {target.size} elements")
+            src = np.frombuffer(data, dtype="<f4")
+            with self._cond if add else _NULL:
+                if add:
+                    target[pos : pos + src.size] += src
+                else:
+                    target[pos : pos + src.size] = src
+            pos += src.size
+        if pos != target.size:
+            raise ParamError("INVALID_ARGUMENT", f"upload ended at {pos} of {target.size} elements")
+
+    # ------------------------------------------------------------------ downloads
+    def pull(self, round_id: int, buffer: str, chunk: int, timeout: float) -> Iterator[tuple[int, bytes]]:
+        """Wait until ``buffer`` is ready for ``round_id`` (0: now), then yield its chunks."""
+        end = self.clock() + timeout
+        with self._cond:
+            while True:
+                self._maybe_settle()
+                reason = self._not_ready(round_id, buffer)
+                if reason is None:
+                    break
+                if reason.startswith("!"):
+                    raise ParamError("FAILED_PRECONDITION", reason[1:])
+                left = end - self.clock()
+                if left <= 0:
+                    raise ParamError("DEADLINE_EXCEEDED", f"{buffer} not ready: {reason}")
+                self._cond.wait(min(left, 0.2))
+        src = self.buffers[SUM if buffer == AVERAGE else buffer]
+        for lo in range(0, src.size, chunk):
+            yield lo, src[lo : lo + chunk].tobytes()
+        if round_id and (self.exchange is None or self.exchange.round_id != round_id):
+            raise ParamError("ABORTED", f"{buffer} changed during the download of round {round_id}")
+
+    def _not_ready(self, round_id: int, buffer: str) -> str | None:
+        """None when ready; a reason to wait; a reason starting with '!' to give up."""
+        if self.param_count is None:
+            return "no node has joined"
+        if buffer == CENTER and round_id == 0:
+            return None if self.center_ready else "the center is not seeded yet"
+        ex = self.exchange
+        if ex is None or ex.round_id < round_id:
+            return f"round {round_id} has not closed"
+        if ex.round_id > round_id:
+            return f"!round {round_id} is over; round {ex.round_id} is current"
+        if not ex.settled:
+            return f"round {round_id} uploads are still arriving"
+        if buffer == LEADER and not ex.leader_ok:
+            return f"!round {round_id} has no global leader ({'; '.join(ex.failed) or 'no eligible worker'})"
+        if buffer == AVERAGE and not (ex.kind == RoundKind.FINAL and ex.sums_ok and ex.summands):
+            return f"!round {round_id} has no average"
+        return None
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _Null()

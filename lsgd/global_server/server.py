@@ -1,0 +1,131 @@
+"""The global server process: gRPC server, ticker, run summary.
+
+``create_server(address, servicer)`` binds (port 0 picks a free port) and returns
+``(server, port)``. ``serve(config, ...)`` runs the whole process until the job has finished and
+every node has left (or been dropped), or until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from ..config import JobConfig
+from ..proto import lsgd_pb2_grpc as pb_grpc
+from .coordinator import Coordinator, Schedule
+from .params import ParamStore
+from .servicer import GlobalServicer
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE = 8 * 1024 * 1024  # bytes; parameter chunks are 4 MiB
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+def build_servicer(config: JobConfig) -> GlobalServicer:
+    """The servicer of a job described by ``config``."""
+    rule = config.make_rule()
+    schedule = Schedule.for_job(num_groups=config.num_groups, workers=config.workers,
+                                l_comm=config.l_comm, g_comm=config.g_comm,
+                                local_rounds=rule.has_local_rounds(config.num_groups),
+                                max_iterations=config.iterations)
+    now = time.monotonic()
+    coord = Coordinator(job_id=config.job_id, algorithm=config.algorithm,
+                        num_groups=config.num_groups, workers=config.workers, schedule=schedule,
+                        max_seconds=config.minutes * 60 if config.minutes else None,
+                        node_timeout=config.node_timeout, round_timeout=config.round_timeout,
+                        join_timeout=config.join_timeout, now=now)
+    return GlobalServicer(coord, ParamStore(rule), config.round_timeout)
+
+
+def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64) -> tuple[grpc.Server, int]:
+    """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+                                                    thread_name_prefix="lsgd-global"),
+                         options=GRPC_OPTIONS)
+    pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise OSError(f"cannot listen on {address}: {exc}") from exc
+    if port == 0:
+        raise OSError(f"cannot listen on {address} (address in use or not local)")
+    server.start()
+    return server, port
+
+
+def serve(config: JobConfig, ready: "object | None" = None, stop_event: threading.Event | None = None) -> int:
+    """Run the global server until the job is over. Returns an exit code.
+
+    Args:
+        config: the job configuration.
+        ready: a connection (multiprocessing Pipe end) that receives ``("ready", port)`` or
+            ``("error", message)`` once, when the server is listening or has failed to.
+        stop_event: set to stop early (tests); SIGINT/SIGTERM do the same in a process.
+    """
+    stop = stop_event or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+    servicer = build_servicer(config)
+    bind = "127.0.0.1" if config.ip_addr in ("127.0.0.1", "localhost") else "0.0.0.0"
+    try:
+        server, port = create_server(f"{bind}:{config.port}", servicer,
+                                     max_workers=max(32, 4 * config.num_groups + 16))
+    except OSError as exc:
+        if ready is not None:
+            ready.send(("error", str(exc)))
+        log.error("%s", exc)
+        return 1
+    out = Path(config.run_dir) / "global"
+    out.mkdir(parents=True, exist_ok=True)
+    (out.parent / "global.port").write_text(f"{port}\n")
+    log.info("global server listening on %s:%d (job %s)", bind, port, config.job_id)
+    if ready is not None:
+        ready.send(("ready", port))
+    coord = servicer.coord
+    t0 = time.monotonic()
+    try:
+        while not stop.wait(0.1):
+            servicer.tick()
+            with servicer.cond:
+                if coord.all_gone and (coord.finished or coord.started):
+                    break
+                if not coord.nodes and time.monotonic() - t0 > config.join_timeout:
+                    log.error("no node joined within %g s", config.join_timeout)
+                    break
+    finally:
+        server.stop(grace=1.0).wait(5.0)
+        with servicer.cond:
+            summary = coord.snapshot() | {"finished": coord.finished,
+                                          "seconds": round(time.monotonic() - t0, 3)}
+        tmp = out / "summary.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2, default=str))
+        os.replace(tmp, out / "summary.json")
+        log.info("global server stopped: counter %d, %d rounds, %s", coord.done,
+                 coord.rounds_opened, coord.stop_reason)
+    return 0 if coord.finished else 1
+
+
+def process_main(config: JobConfig, conn: object, log_level: int) -> None:
+    """Entry point of the global server process started by node 0 (spawn context)."""
+    import sys
+
+    logging.basicConfig(level=log_level, format="%(asctime)s global %(levelname)s %(message)s")
+    sys.exit(serve(config, ready=conn))

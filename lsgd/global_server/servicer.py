@@ -1,0 +1,218 @@
+"""gRPC servicer of the global server: protobuf <-> ``Coordinator`` / ``ParamStore``.
+
+It holds the coordinator's lock, turns ``CoordinatorError``/``ParamError`` into gRPC status
+codes, and implements the long-polls (credits, round barriers, downloads) with bounded waits on
+one condition variable that every state change notifies.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterator
+
+import grpc
+
+from ..leader import Candidate
+from ..proto import lsgd_pb2 as pb
+from ..proto import lsgd_pb2_grpc as pb_grpc
+from ..rules.base import RoundKind
+from .coordinator import Coordinator, CoordinatorError
+from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, ParamStore
+
+log = logging.getLogger(__name__)
+
+BUFFERS = {pb.BUFFER_KIND_GLOBAL_LEADER: LEADER, pb.BUFFER_KIND_CENTER: CENTER,
+           pb.BUFFER_KIND_NODE_SUM: SUM, pb.BUFFER_KIND_AVERAGE: AVERAGE}
+PULLABLE = {LEADER, CENTER, AVERAGE}
+MAX_CREDIT_WAIT = 0.5  # seconds one AcquireCredits call may long-poll
+DEFAULT_CHUNK = 1 << 20  # float32 elements per download chunk (4 MiB)
+MAX_CHUNK = 1 << 22
+
+
+def _abort(context: grpc.ServicerContext, exc: CoordinatorError | ParamError) -> None:
+    context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+
+
+class GlobalServicer(pb_grpc.GlobalServerServicer):
+    """Implements ``lsgd.v1.GlobalServer``."""
+
+    def __init__(self, coordinator: Coordinator, params: ParamStore, round_timeout: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.coord = coordinator
+        self.params = params
+        self.round_timeout = round_timeout
+        self.clock = clock
+        self.cond = threading.Condition()
+        self._exchanged = 0  # newest round whose parameter exchange was started
+
+    # ------------------------------------------------------------------ shared
+    def tick(self) -> None:
+        """Advance time; called by the server's ticker thread and on every request."""
+        with self.cond:
+            dropped = self.coord.tick(self.clock())
+            self._after_change()
+            if dropped:
+                self.cond.notify_all()
+        self.params.poll()
+
+    def _after_change(self) -> None:
+        """Start the parameter exchange of a newly closed global/final round (lock held)."""
+        rnd = self.coord.round
+        if rnd is None or not rnd.closed or rnd.id <= self._exchanged or rnd.kind == RoundKind.LOCAL:
+            return
+        self._exchanged = rnd.id
+        self.params.begin(rnd.id, rnd.kind, rnd.leader_node,
+                          {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout)
+
+    def _check(self, node: pb.NodeId) -> None:
+        if node.job_id != self.coord.job_id:
+            raise CoordinatorError("FAILED_PRECONDITION",
+                                   f"message for job '{node.job_id}', this server runs "
+                                   f"'{self.coord.job_id}'")
+
+    def _call(self, context: grpc.ServicerContext, fn: Callable[[], object]) -> object:
+        try:
+            with self.cond:
+                result = fn()
+                self._after_change()
+                self.cond.notify_all()
+                return result
+        except (CoordinatorError, ParamError) as exc:
+            _abort(context, exc)
+
+    # ------------------------------------------------------------------ RPCs
+    def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
+        def join() -> pb.JoinResponse:
+            self._check(request.node)
+            self.params.set_param_count(request.param_count)
+            node, seed = self.coord.join(
+                job_id=request.node.job_id, index=request.node.node_index,
+                workers=request.num_workers, algorithm=request.algorithm,
+                num_groups=request.num_groups, now=self.clock())
+            return pb.JoinResponse(session=node.session, seed_center=seed, counter=self.coord.done)
+
+        return self._call(context, join)
+
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
+        def beat() -> pb.HeartbeatResponse:
+            self._check(request.node)
+            self.coord.heartbeat(request.node.node_index, request.node.session, self.clock())
+            return pb.HeartbeatResponse(counter=self.coord.done)
+
+        return self._call(context, beat)
+
+    def AcquireCredits(self, request: pb.AcquireCreditsRequest,
+                       context: grpc.ServicerContext) -> pb.AcquireCreditsResponse:
+        node = request.node
+        end = self.clock() + min(MAX_CREDIT_WAIT, request.max_wait_ms / 1000.0)
+        counts = dict(consumed=request.consumed, late=request.late_consumed,
+                      released=request.released)
+        try:
+            with self.cond:
+                self._check(node)
+                while True:
+                    grant = self.coord.acquire(node.node_index, node.session, want=request.want,
+                                               last_round_seen=request.last_round_seen,
+                                               now=self.clock(), **counts)
+                    counts = dict(consumed=0, late=0, released=0)  # applied once
+                    self._after_change()
+                    self.cond.notify_all()
+                    left = end - self.clock()
+                    if not grant.wait or left <= 0 or not context.is_active():
+                        break
+                    self.cond.wait(min(left, 0.1))
+                resp = pb.AcquireCreditsResponse(grant=grant.grant, counter=self.coord.done)
+                if grant.round is not None:
+                    resp.round.id = grant.round.id
+                    resp.round.kind = int(grant.round.kind)
+                    resp.round.iteration = grant.round.iteration
+                return resp
+        except (CoordinatorError, ParamError) as exc:
+            _abort(context, exc)
+
+    def ReportRound(self, request: pb.ReportRoundRequest,
+                    context: grpc.ServicerContext) -> pb.ReportRoundResponse:
+        node = request.node
+        best = Candidate(request.best.worker_id, request.best.loss) if request.has_best else None
+        end = self.clock() + self.round_timeout + 1.0  # the round itself closes by then
+        try:
+            with self.cond:
+                self._check(node)
+                out = self.coord.report(node.node_index, node.session, request.round_id, best,
+                                        request.participants, self.clock())
+                while True:
+                    self._after_change()
+                    self.cond.notify_all()
+                    if out.ready or self.clock() >= end or not context.is_active():
+                        break
+                    self.cond.wait(0.1)
+                    self.coord.tick(self.clock())
+                    out = self.coord.outcome(node.node_index, request.round_id)
+        except (CoordinatorError, ParamError) as exc:
+            _abort(context, exc)
+        if not out.ready:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.round_id} did not close")
+        resp = pb.ReportRoundResponse(missed=out.missed, participants=out.participants,
+                                      nodes=list(out.nodes))
+        if out.leader is not None:
+            resp.has_leader = True
+            resp.leader.worker_id = out.leader.worker_id
+            resp.leader.loss = out.leader.loss
+            resp.leader_node = out.leader_node
+        return resp
+
+    def PushParams(self, request_iterator: Iterator[pb.PushParamsRequest],
+                   context: grpc.ServicerContext) -> pb.PushParamsResponse:
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an upload starts with a header")
+        h = first.header
+        buffer = BUFFERS.get(h.buffer)
+        if buffer is None or buffer == AVERAGE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot upload buffer {h.buffer}")
+        self._call(context, lambda: (self._check(h.node),
+                                     self.coord.heartbeat(h.node.node_index, h.node.session,
+                                                          self.clock())))
+
+        def chunks() -> Iterator[tuple[int, bytes]]:
+            for req in request_iterator:
+                if not req.HasField("chunk"):
+                    raise ParamError("INVALID_ARGUMENT", "only chunks may follow the header")
+                yield req.chunk.offset, req.chunk.data
+
+        try:
+            self.params.push(h.node.node_index, h.round_id, buffer, h.param_count, h.summands,
+                             chunks())
+        except ParamError as exc:
+            _abort(context, exc)
+        return pb.PushParamsResponse()
+
+    def PullParams(self, request: pb.PullParamsRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.ParamChunk]:
+        buffer = BUFFERS.get(request.buffer)
+        if buffer not in PULLABLE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot download buffer {request.buffer}")
+        self._call(context, lambda: (self._check(request.node),
+                                     self.coord.heartbeat(request.node.node_index,
+                                                          request.node.session, self.clock())))
+        chunk = request.chunk_elements or DEFAULT_CHUNK
+        if not 1 <= chunk <= MAX_CHUNK:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
+        try:
+            for offset, data in self.params.pull(request.round_id, buffer, chunk,
+                                                 timeout=self.round_timeout):
+                yield pb.ParamChunk(offset=offset, data=data)
+        except ParamError as exc:
+            _abort(context, exc)
+
+    def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
+        def leave() -> pb.LeaveResponse:
+            self._check(request.node)
+            self.coord.leave(request.node.node_index, request.node.session, request.consumed,
+                             request.late_consumed, self.clock())
+            return pb.LeaveResponse(counter=self.coord.done)
+
+        return self._call(context, leave)

@@ -1,0 +1,124 @@
+"""Messages between workers and their local server over multiprocessing queues.
+
+Workers share one inbox to the local server; each worker has its own reply queue. Every message
+names the worker by its local index. Parameters never travel in messages: they move through node
+shared memory (``store.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .store import StoreLayout
+
+# ---------------------------------------------------------------- worker -> local server
+
+
+@dataclass(frozen=True)
+class Hello:
+    """First message: the worker built its model."""
+
+    local: int
+    param_count: int
+
+
+@dataclass(frozen=True)
+class Ready:
+    """The worker published its initial parameters in its slot."""
+
+    local: int
+
+
+@dataclass(frozen=True)
+class Ask:
+    """The worker used its credits (``consumed`` steps since its last report) and wants more."""
+
+    local: int
+    consumed: int
+
+
+@dataclass(frozen=True)
+class Bye:
+    """The training loop ended on its own; ``consumed`` steps were not reported yet."""
+
+    local: int
+    consumed: int
+
+
+@dataclass(frozen=True)
+class Join:
+    """The worker published its parameters for ``round_id``."""
+
+    local: int
+    round_id: int
+    loss: float  # running loss estimate; NaN when the window is not full or not finite
+    consumed: int
+    iterations: int  # the worker's own step count so far
+
+
+@dataclass(frozen=True)
+class Done:
+    """The worker finished its pulls of ``round_id``; ``distances`` maps buffer -> ||x - target||."""
+
+    local: int
+    round_id: int
+    distances: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    local: int
+    metrics: dict[str, dict[str, float]]  # buffer name -> metric -> value
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The worker raised; ``error`` is the one-line cause, ``trace`` the traceback."""
+
+    local: int
+    error: str
+    trace: str = ""
+
+
+# ---------------------------------------------------------------- local server -> worker
+
+
+@dataclass(frozen=True)
+class Setup:
+    layout: StoreLayout
+
+
+@dataclass(frozen=True)
+class Credits:
+    count: int
+
+
+@dataclass(frozen=True)
+class RoundCall:
+    """Publish your parameters and loss for this round."""
+
+    round_id: int
+    kind: int
+
+
+@dataclass(frozen=True)
+class Pull:
+    """Apply these pulls in order: ``[(buffer, strength), ...]`` (empty: none)."""
+
+    round_id: int
+    pulls: tuple[tuple[str, float], ...]
+    reset_window: bool
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """Load each named buffer in turn and evaluate it."""
+
+    buffers: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Leave the training loop now."""
+
+    reason: str = ""

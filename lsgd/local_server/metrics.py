@@ -1,0 +1,36 @@
+"""The per-node metrics CSV: one row per worker and round."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+COLUMNS = ["round", "kind", "iteration", "time_s", "worker_id", "worker_iterations", "loss",
+           "local_leader", "global_leader", "pull_local", "pull_global", "pull_center"]
+
+
+class MetricsWriter:
+    """Appends rows to ``metrics.csv`` in the node's run directory, flushed every round."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("w", newline="")
+        self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        self._csv.writeheader()
+
+    def rows(self, rows: list[dict]) -> None:
+        for row in rows:
+            self._csv.writerow({k: _fmt(row.get(k)) for k in COLUMNS})
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _fmt(v: object) -> object:
+    if v is None:
+        return ""
+    if isinstance(v, float):
+        return "" if math.isnan(v) else f"{v:.6g}"
+    return v

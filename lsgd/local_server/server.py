@@ -1,0 +1,524 @@
+"""The local server: one per node.
+
+It owns the node's shared memory and worker processes, answers workers' credit requests from
+the node's pool of credits (asking the global server only when the pool is empty), and runs
+rounds: collect the workers' published parameters, elect the node's best, exchange leader or
+center parameters with the global server, tell every participant what to pull.
+
+Every wait is bounded: a worker that misses a round's deadline is left out of it (and logged);
+a worker holding credits silently for ``round_timeout`` has them released so the job's rounds
+still happen; a dead worker is noticed within ``POLL`` seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import multiprocessing as mp
+import os
+import queue
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from ..config import JobConfig
+from ..leader import Candidate, elect
+from ..rules import ops
+from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind, RoundRoles
+from ..worker.client import WorkerContext
+from ..worker.process import worker_main
+from . import messages as m
+from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
+from .metrics import MetricsWriter
+from .store import NodeStore, StoreLayout
+
+log = logging.getLogger(__name__)
+
+POLL = 0.05  # seconds between liveness checks while waiting for messages
+START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
+STOP_GRACE = 5.0  # seconds workers get to exit after Stop before they are terminated
+
+
+class NodeError(RuntimeError):
+    """The node cannot go on; the message says why."""
+
+
+@dataclass
+class WorkerState:
+    local: int
+    worker_id: int
+    proc: mp.process.BaseProcess
+    replies: object
+    last_contact: float
+    outstanding: int = 0  # credits granted and not reported used
+    released: bool = False  # its credits were released; what it reports next is late
+    iterations: int = 0
+    gone: bool = False
+    error: str | None = None
+
+
+@dataclass
+class Report:
+    """Counts not yet reported to the global server."""
+
+    consumed: int = 0
+    late: int = 0
+    released: int = 0
+
+
+@dataclass
+class RoundResult:
+    finished: bool = False
+    summary: dict = field(default_factory=dict)
+
+
+class LocalServer:
+    """Runs one node of a job. ``run()`` returns the process exit code."""
+
+    def __init__(self, config: JobConfig, address: str, log_level: int = logging.INFO) -> None:
+        self.cfg = config
+        self.rule = config.make_rule()
+        self.address = address
+        self.log_level = log_level
+        self.multi_node = config.num_groups > 1
+        self.mp = mp.get_context("spawn")
+        self.inbox = self.mp.Queue()
+        self.workers: list[WorkerState] = []
+        self.store: NodeStore | None = None
+        self.client = GlobalClient(address, config.job_id, config.node_index, config.round_timeout)
+        self.heartbeat: Heartbeat | None = None
+        self.pool = 0
+        self.report = Report()
+        self.pending: deque[int] = deque()
+        self.last_round_seen = 0
+        self.rounds = 0
+        self.t0 = time.monotonic()
+        self.dir = Path(config.run_dir) / f"node{config.node_index}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsWriter(self.dir / "metrics.csv")
+        self.summary: dict = {}
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> int:
+        try:
+            self._wait_for_global()
+            self._start_workers()
+            self._handshake()
+            self._loop()
+            return 0
+        except (NodeError, GlobalUnreachable) as exc:
+            log.error("node %d: %s", self.cfg.node_index, exc)
+            self.summary["error"] = str(exc)
+            return 1
+        except grpc.RpcError as exc:
+            log.error("node %d: global server: %s (%s)", self.cfg.node_index, exc.details(), exc.code().name)
+            self.summary["error"] = str(exc.details())
+            return 1
+        except KeyboardInterrupt:
+            log.warning("node %d interrupted; stopping workers", self.cfg.node_index)
+            self.summary["error"] = "interrupted"
+            return 130
+        finally:
+            self._shutdown()
+
+    def _wait_for_global(self) -> None:
+        try:
+            grpc.channel_ready_future(self.client._channel).result(timeout=self.cfg.connect_timeout)
+        except grpc.FutureTimeoutError:
+            raise GlobalUnreachable(
+                f"global server at {self.address} unreachable for {self.cfg.connect_timeout:g} s "
+                "(is node 0 running? check IP_ADDR and PORT)") from None
+
+    def _start_workers(self) -> None:
+        for i in range(self.cfg.workers):
+            replies = self.mp.Queue()
+            ctx = WorkerContext(self.cfg, i, self.inbox, replies, os.getpid())
+            proc = self.mp.Process(target=worker_main, args=(ctx, self.log_level),
+                                   name=f"lsgd-worker-{self.cfg.worker_id(i)}", daemon=True)
+            proc.start()
+            self.workers.append(WorkerState(i, self.cfg.worker_id(i), proc, replies, time.monotonic()))
+
+    def _shutdown(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        for w in self.workers:
+            if w.proc.is_alive():
+                self._send(w, m.Stop("node shutting down"))
+        end = time.monotonic() + STOP_GRACE
+        for w in self.workers:
+            w.proc.join(max(0.0, end - time.monotonic()))
+        for w in self.workers:
+            if w.proc.is_alive():
+                log.warning("worker %d did not stop in %g s; terminating", w.worker_id, STOP_GRACE)
+                w.proc.terminate()
+                w.proc.join(2.0)
+                if w.proc.is_alive():
+                    w.proc.kill()
+                    w.proc.join(2.0)
+        for q in [self.inbox] + [w.replies for w in self.workers]:
+            q.cancel_join_thread()
+            q.close()
+        if self.store is not None:
+            self.store.close(unlink=True)
+            self.store = None
+        self.metrics.close()
+        self.client.close()
+        self.summary.setdefault("node", self.cfg.node_index)
+        self.summary["workers"] = {w.worker_id: w.iterations for w in self.workers}
+        self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
+        tmp = self.dir / "summary.json.tmp"
+        tmp.write_text(json.dumps(self.summary, indent=2))
+        os.replace(tmp, self.dir / "summary.json")
+
+    # ------------------------------------------------------------------ messaging
+    def _send(self, w: WorkerState, msg: object) -> None:
+        try:
+            w.replies.put(msg)
+        except (ValueError, OSError):  # queue closed during shutdown
+            pass
+
+    def _live(self) -> list[WorkerState]:
+        return [w for w in self.workers if not w.gone]
+
+    def _gone(self, w: WorkerState, why: str) -> None:
+        if w.gone:
+            return
+        w.gone = True
+        w.error = why
+        if w.outstanding and not w.released:
+            self.report.released += w.outstanding
+        w.outstanding = 0
+        log.warning("worker %d left the job: %s", w.worker_id, why)
+
+    def _check_workers(self) -> None:
+        now = time.monotonic()
+        for w in self._live():
+            if w.proc.exitcode is not None:
+                self._gone(w, f"process exited with code {w.proc.exitcode}")
+            elif (w.outstanding and not w.released and w.local not in self.pending
+                  and now - w.last_contact > self.cfg.round_timeout):
+                log.warning("worker %d silent for %.0f s holding %d credits; releasing them",
+                            w.worker_id, now - w.last_contact, w.outstanding)
+                self.report.released += w.outstanding
+                w.outstanding = 0
+                w.released = True
+        if not self._live():
+            errors = [w.error for w in self.workers if w.error]
+            raise NodeError(f"no worker left on this node; first error: {errors[0] if errors else '?'}")
+        if self.heartbeat is not None and self.heartbeat.fatal:
+            raise NodeError(self.heartbeat.fatal)
+
+    def _recv(self, timeout: float = POLL) -> object | None:
+        try:
+            msg = self.inbox.get(timeout=timeout)
+        except queue.Empty:
+            self._check_workers()
+            return None
+        w = self.workers[msg.local]
+        w.last_contact = time.monotonic()
+        if isinstance(msg, m.Failed):
+            log.error("worker %d failed: %s\n%s", w.worker_id, msg.error, msg.trace.rstrip())
+            self._gone(w, msg.error)
+            self._check_workers()
+            return None
+        if isinstance(msg, m.Bye):
+            self._account(w, msg.consumed)
+            self._gone(w, "its training loop ended")
+            self._check_workers()
+            return None
+        return msg
+
+    def _account(self, w: WorkerState, consumed: int) -> None:
+        w.iterations += consumed
+        if w.released:
+            self.report.late += consumed
+            w.released = False
+            return
+        take = min(consumed, w.outstanding)
+        w.outstanding -= take
+        self.report.consumed += take
+        self.report.late += consumed - take
+
+    # ------------------------------------------------------------------ start
+    def _handshake(self) -> None:
+        counts: dict[int, int] = {}
+        end = time.monotonic() + START_TIMEOUT
+        while len(counts) < len(self._live()):
+            if time.monotonic() > end:
+                raise NodeError(f"workers did not start within {START_TIMEOUT:g} s")
+            msg = self._recv()
+            if isinstance(msg, m.Hello):
+                counts[msg.local] = msg.param_count
+        sizes = set(counts.values())
+        if len(sizes) != 1:
+            raise NodeError(f"workers built models of different sizes {sorted(sizes)}; every "
+                            "worker must build the same model")
+        (param_count,) = sizes
+        layout = StoreLayout.new(self.cfg.node_index, param_count, self.cfg.workers,
+                                 self.rule.node_buffers)
+        self.store = NodeStore.create(layout)
+        for w in self._live():
+            self._send(w, m.Setup(layout))
+        resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
+                                algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
+                                connect_timeout=self.cfg.connect_timeout)
+        ready: set[int] = set()
+        while len(ready) < len(self._live()):
+            if time.monotonic() > end:
+                raise NodeError(f"workers did not publish their parameters within {START_TIMEOUT:g} s")
+            msg = self._recv()
+            if isinstance(msg, m.Ready):
+                ready.add(msg.local)
+            elif msg is not None:
+                self._dispatch(msg)
+        first = self.store.slot(min(ready))
+        for name in layout.buffers:  # every shared vector starts at the initial parameters
+            ops.copy_(self.store.buffer(name), first)
+        if self.rule.exchange == Exchange.CENTER:
+            if resp.seed_center:
+                try:
+                    self.client.push(CENTER, self.store.buffer(CENTER), round_id=0)
+                except grpc.RpcError as exc:
+                    if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                        raise
+            self.client.pull(CENTER, self.store.buffer(CENTER), round_id=0)
+        self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
+                                   give_up=max(2 * self.cfg.node_timeout, 10.0))
+        self.heartbeat.start()
+        log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,
+                 self.cfg.job_id, len(ready), param_count)
+
+    # ------------------------------------------------------------------ credits
+    def _loop(self) -> None:
+        while True:
+            msg = self._recv()
+            if msg is not None:
+                self._dispatch(msg)
+            answer = self._serve_pending()
+            if answer is not None:
+                if self._run_round(answer):
+                    return
+
+    def _dispatch(self, msg: object) -> None:
+        w = self.workers[msg.local]
+        if isinstance(msg, m.Ask):
+            self._account(w, msg.consumed)
+            self.pending.append(w.local)
+        elif isinstance(msg, m.Done):
+            self.pending.append(w.local)  # a late Done: the worker now waits for credits
+        elif isinstance(msg, m.Join):  # joined a round that already ended here
+            self._account(w, msg.consumed)
+            self._send(w, m.Pull(msg.round_id, (), False))
+        else:
+            log.debug("ignoring %r", msg)
+
+    def _serve_pending(self) -> CreditAnswer | None:
+        """Give credits to waiting workers; returns a round to run, if the server announced one."""
+        while self.pending:
+            w = self.workers[self.pending[0]]
+            if w.gone:
+                self.pending.popleft()
+                continue
+            if self.pool > 0:
+                n = math.ceil(self.pool / len(self._live()))
+                self.pool -= n
+                w.outstanding += n
+                self.pending.popleft()
+                self._send(w, m.Credits(n))
+                continue
+            answer = self._acquire(want=len(self._live()) * self.cfg.l_comm)
+            if answer.round_id > self.last_round_seen:
+                return answer
+            if answer.grant == 0:
+                return None
+            self.pool += answer.grant
+        return None
+
+    def _acquire(self, want: int) -> CreditAnswer:
+        r, self.report = self.report, Report()
+        try:
+            # Long-poll only when no worker here holds credits: then only other nodes can
+            # move the job forward. Otherwise our own workers' next reports will.
+            busy = any(w.outstanding for w in self._live())
+            return self.client.acquire(consumed=r.consumed, late=r.late, released=r.released,
+                                       want=want, last_round_seen=self.last_round_seen,
+                                       max_wait=0.0 if busy else 0.5)
+        except grpc.RpcError:
+            self.report = r  # not applied (or unknown): report again next time
+            raise
+
+    # ------------------------------------------------------------------ rounds
+    def _run_round(self, ans: CreditAnswer) -> bool:
+        """Run one round with the node's workers. Returns True when the job is over."""
+        assert self.store is not None
+        rid, kind = ans.round_id, RoundKind(ans.round_kind)
+        self.last_round_seen = rid
+        self.rounds += 1
+        if self.pool:
+            self.report.released += self.pool
+            self.pool = 0
+        joins = self._collect_joins(rid, kind)
+        cands = [Candidate(self.workers[i].worker_id, j.loss) for i, j in joins.items()]
+        best = elect(cands)
+        local_of = {w.worker_id: w.local for w in self.workers}
+        if best is not None and LOCAL_LEADER in self.store.layout.buffers:
+            ops.copy_(self.store.buffer(LOCAL_LEADER), self.store.slot(local_of[best.worker_id]))
+        if kind == RoundKind.FINAL:
+            return self._final_round(rid, joins, best, local_of)
+        center = self.rule.exchange == Exchange.CENTER and kind == RoundKind.GLOBAL
+        if center and joins:
+            ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
+        answer = self._report(rid, best, len(joins))
+        global_leader, upload = None, False
+        if kind == RoundKind.GLOBAL and self.rule.exchange == Exchange.LEADER and answer and answer.leader:
+            lead = answer.leader.worker_id
+            if answer.leader_node == self.cfg.node_index:
+                ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[lead]))
+                global_leader, upload = lead, True
+            elif self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid):
+                global_leader = lead
+        for i in joins:
+            roles = RoundRoles(self.workers[i].worker_id, best.worker_id if best else None,
+                               global_leader, self.multi_node)
+            self._send(self.workers[i], m.Pull(rid, tuple(self.rule.pulls(kind, roles)), True))
+        if upload:
+            self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+        if center and joins and answer and not answer.missed:
+            self._push(SUM, SUM, rid, summands=len(joins))
+        dones = self._collect_dones(rid, set(joins))
+        if center and answer and not answer.missed:
+            self._pull(CENTER, CENTER, rid)
+        now = round(time.monotonic() - self.t0, 4)
+        self.metrics.rows([{
+            "round": rid, "kind": kind.name.lower(), "iteration": ans.round_iteration, "time_s": now,
+            "worker_id": self.workers[i].worker_id, "worker_iterations": j.iterations,
+            "loss": j.loss, "local_leader": best.worker_id if best else None,
+            "global_leader": global_leader,
+            "pull_local": dones.get(i, {}).get(LOCAL_LEADER),
+            "pull_global": dones.get(i, {}).get(GLOBAL_LEADER),
+            "pull_center": dones.get(i, {}).get(CENTER)} for i, j in joins.items()])
+        return False
+
+    def _collect_joins(self, rid: int, kind: RoundKind) -> dict[int, m.Join]:
+        for i in self.pending:
+            if not self.workers[i].gone:
+                self._send(self.workers[i], m.RoundCall(rid, int(kind)))
+        self.pending.clear()
+        joins: dict[int, m.Join] = {}
+        end = time.monotonic() + self.cfg.round_timeout
+        while time.monotonic() < end and any(w.local not in joins for w in self._live()):
+            msg = self._recv()
+            if msg is None:
+                continue
+            w = self.workers[msg.local]
+            if isinstance(msg, (m.Ask, m.Done)):
+                if isinstance(msg, m.Ask):
+                    self._account(w, msg.consumed)
+                self._send(w, m.RoundCall(rid, int(kind)))
+            elif isinstance(msg, m.Join):
+                self._account(w, msg.consumed)
+                if msg.round_id == rid:
+                    joins[msg.local] = msg
+                else:
+                    self._send(w, m.Pull(msg.round_id, (), False))
+        missing = [w.worker_id for w in self._live() if w.local not in joins]
+        if missing:
+            log.warning("round %d: worker(s) %s missed it (round_timeout %g s)", rid, missing,
+                        self.cfg.round_timeout)
+        return {i: j for i, j in joins.items() if not self.workers[i].gone}
+
+    def _collect_dones(self, rid: int, expected: set[int]) -> dict[int, dict[str, float]]:
+        dones: dict[int, dict[str, float]] = {}
+        end = time.monotonic() + self.cfg.round_timeout
+        while time.monotonic() < end and any(i not in dones and not self.workers[i].gone for i in expected):
+            msg = self._recv()
+            if msg is None:
+                continue
+            if isinstance(msg, m.Done) and msg.round_id == rid:
+                dones[msg.local] = msg.distances
+                self.pending.append(msg.local)
+            else:
+                self._dispatch(msg)
+        late = [self.workers[i].worker_id for i in expected if i not in dones and not self.workers[i].gone]
+        if late:
+            log.warning("round %d: worker(s) %s did not finish their pulls in time", rid, late)
+        return dones
+
+    def _report(self, rid: int, best: Candidate | None, participants: int):
+        try:
+            answer = self.client.report_round(rid, best, participants)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
+                raise
+            log.warning("round %d: report failed (%s); skipping its exchange", rid, exc.details())
+            return None
+        if answer.missed:
+            log.warning("round %d: this node reported too late; skipping its exchange", rid)
+        return answer
+
+    def _push(self, name: str, kind: str, rid: int, summands: int = 0) -> bool:
+        assert self.store is not None
+        try:
+            self.client.push(kind, self.store.buffer(name), rid, summands)
+            return True
+        except grpc.RpcError as exc:
+            log.warning("round %d: upload of %s failed: %s", rid, kind, exc.details())
+            return False
+
+    def _pull(self, name: str, kind: str, rid: int) -> bool:
+        assert self.store is not None
+        try:
+            self.client.pull(kind, self.store.buffer(name), rid)
+            return True
+        except (grpc.RpcError, ValueError) as exc:
+            details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            log.warning("round %d: download of %s failed: %s", rid, kind, details)
+            return False
+
+    def _final_round(self, rid: int, joins: dict[int, m.Join], best: Candidate | None,
+                     local_of: dict[int, int]) -> bool:
+        assert self.store is not None
+        if joins:
+            ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
+        answer = self._report(rid, best, len(joins))
+        if answer and not answer.missed:
+            if answer.leader and answer.leader_node == self.cfg.node_index:
+                ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[answer.leader.worker_id]))
+                self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+            if joins:
+                self._push(SUM, SUM, rid, summands=len(joins))
+        self.summary.update(round_id=rid, node=self.cfg.node_index)
+        if answer and answer.leader:
+            self.summary["final_leader"] = {"worker_id": answer.leader.worker_id,
+                                            "loss": answer.leader.loss}
+            self.summary["participants"] = answer.participants
+        if self.cfg.node_index == 0 and answer and not answer.missed and joins:
+            evaluate: list[str] = []
+            if answer.leader and self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid):
+                evaluate.append(GLOBAL_LEADER)
+            if self._pull(SUM, "average", rid):
+                evaluate.append(SUM)
+            if self.rule.exchange == Exchange.CENTER and self._pull(CENTER, CENTER, 0):
+                evaluate.append(CENTER)
+            self.summary["evaluation"] = self._evaluate(min(joins), tuple(evaluate))
+        for w in self._live():
+            self._send(w, m.Stop("job finished"))
+        r, self.report = self.report, Report()
+        self.summary["counter"] = self.client.leave(r.consumed, r.late)
+        return True
+
+    def _evaluate(self, local: int, buffers: tuple[str, ...]) -> dict:
+        names = {GLOBAL_LEADER: "leader", SUM: "average", CENTER: "center"}
+        w = self.workers[local]
+        self._send(w, m.Evaluate(buffers))
+        end = time.monotonic() + max(60.0, 2 * self.cfg.round_timeout)
+        while time.monotonic() < end and not w.gone:
+            msg = self._recv()
+            if isinstance(msg, m.EvalResult):
+                return {names[k]: v for k, v in msg.metrics.items()}
+        log.warning("evaluation by worker %d did not finish", w.worker_id)
+        return {}

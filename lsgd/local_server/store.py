@@ -1,0 +1,113 @@
+"""Node shared memory: one segment holding every parameter vector of the node.
+
+Layout (every vector a flat float32 array starting on a page boundary)::
+
+    [ slot 0 | slot 1 | ... | slot W-1 | local_leader | global_leader | center | sum ]
+
+Slot ``i`` is where worker ``i`` publishes its parameters at a round and pulls them in place;
+the named buffers hold the rule's shared vectors (only those the rule needs are allocated). The
+``StoreLayout`` descriptor (segment name, sizes, offsets) is all a worker needs to attach.
+
+Only the creator (the local server) unlinks the segment, in ``close(unlink=True)``, which its
+shutdown path always reaches; Python's resource tracker unlinks it even if the creator is killed.
+"""
+
+from __future__ import annotations
+
+import mmap
+import secrets
+from dataclasses import dataclass
+from multiprocessing import shared_memory
+
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+DTYPE = np.dtype(np.float32)
+
+
+def _align(n: int) -> int:
+    return (n + PAGE - 1) // PAGE * PAGE
+
+
+@dataclass(frozen=True)
+class StoreLayout:
+    """Where each vector lives in the node segment. Picklable; sent to every worker."""
+
+    name: str
+    param_count: int
+    slots: int
+    buffers: tuple[str, ...]
+
+    @property
+    def stride(self) -> int:
+        """Bytes between consecutive vectors (page aligned)."""
+        return _align(self.param_count * DTYPE.itemsize)
+
+    @property
+    def size(self) -> int:
+        return self.stride * (self.slots + len(self.buffers))
+
+    def offset_of_slot(self, i: int) -> int:
+        if not 0 <= i < self.slots:
+            raise IndexError(f"slot {i} out of range 0..{self.slots - 1}")
+        return i * self.stride
+
+    def offset_of(self, buffer: str) -> int:
+        return (self.slots + self.buffers.index(buffer)) * self.stride
+
+    @classmethod
+    def new(cls, node_index: int, param_count: int, slots: int, buffers: tuple[str, ...]) -> "StoreLayout":
+        """A layout with a fresh, unguessable segment name."""
+        if param_count < 1:
+            raise ValueError(f"param_count must be >= 1, got {param_count}")
+        return cls(f"lsgd-n{node_index}-{secrets.token_hex(8)}", param_count, slots, tuple(buffers))
+
+
+class NodeStore:
+    """Numpy views over the node segment."""
+
+    def __init__(self, layout: StoreLayout, create: bool) -> None:
+        self.layout = layout
+        self._created = create
+        self._shm = shared_memory.SharedMemory(name=layout.name, create=create,
+                                               size=layout.size if create else 0)
+        if self._shm.size < layout.size:
+            self._shm.close()
+            raise ValueError(f"segment {layout.name} is {self._shm.size} bytes, expected {layout.size}")
+        self._views: dict[object, np.ndarray] = {}
+
+    @classmethod
+    def create(cls, layout: StoreLayout) -> "NodeStore":
+        return cls(layout, create=True)
+
+    @classmethod
+    def attach(cls, layout: StoreLayout) -> "NodeStore":
+        return cls(layout, create=False)
+
+    def _view(self, key: object, offset: int) -> np.ndarray:
+        v = self._views.get(key)
+        if v is None:
+            v = np.ndarray((self.layout.param_count,), dtype=DTYPE, buffer=self._shm.buf, offset=offset)
+            self._views[key] = v
+        return v
+
+    def slot(self, i: int) -> np.ndarray:
+        """Worker ``i``'s parameter vector."""
+        return self._view(i, self.layout.offset_of_slot(i))
+
+    def buffer(self, name: str) -> np.ndarray:
+        """A named vector (``local_leader``, ``global_leader``, ``center``, ``sum``)."""
+        return self._view(name, self.layout.offset_of(name))
+
+    def close(self, unlink: bool = False) -> None:
+        """Drop the views and detach; the creator also unlinks when ``unlink``."""
+        self._views.clear()
+        try:
+            self._shm.close()
+        except BufferError:  # a caller still holds a view; the mapping goes with the process
+            pass
+        if unlink and self._created:
+            try:
+                self._shm.unlink()
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,216 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RoundKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROUND_KIND_UNSPECIFIED: _ClassVar[RoundKind]
+    ROUND_KIND_LOCAL: _ClassVar[RoundKind]
+    ROUND_KIND_GLOBAL: _ClassVar[RoundKind]
+    ROUND_KIND_FINAL: _ClassVar[RoundKind]
+
+class BufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BUFFER_KIND_UNSPECIFIED: _ClassVar[BufferKind]
+    BUFFER_KIND_GLOBAL_LEADER: _ClassVar[BufferKind]
+    BUFFER_KIND_CENTER: _ClassVar[BufferKind]
+    BUFFER_KIND_NODE_SUM: _ClassVar[BufferKind]
+    BUFFER_KIND_AVERAGE: _ClassVar[BufferKind]
+ROUND_KIND_UNSPECIFIED: RoundKind
+ROUND_KIND_LOCAL: RoundKind
+ROUND_KIND_GLOBAL: RoundKind
+ROUND_KIND_FINAL: RoundKind
+BUFFER_KIND_UNSPECIFIED: BufferKind
+BUFFER_KIND_GLOBAL_LEADER: BufferKind
+BUFFER_KIND_CENTER: BufferKind
+BUFFER_KIND_NODE_SUM: BufferKind
+BUFFER_KIND_AVERAGE: BufferKind
+
+class NodeId(_message.Message):
+    __slots__ = ("job_id", "node_index", "session")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    node_index: int
+    session: int
+    def __init__(self, job_id: _Optional[str] = ..., node_index: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
+    PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
+    ALGORITHM_FIELD_NUMBER: _ClassVar[int]
+    NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeId
+    num_workers: int
+    param_count: int
+    algorithm: str
+    num_groups: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...
+
+class JoinResponse(_message.Message):
+    __slots__ = ("session", "seed_center", "counter")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    SEED_CENTER_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
+    session: int
+    seed_center: bool
+    counter: int
+    def __init__(self, session: _Optional[int] = ..., seed_center: _Optional[bool] = ..., counter: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: NodeId
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("counter",)
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
+    counter: int
+    def __init__(self, counter: _Optional[int] = ...) -> None: ...
+
+class AcquireCreditsRequest(_message.Message):
+    __slots__ = ("node", "consumed", "late_consumed", "released", "want", "last_round_seen", "max_wait_ms")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    LATE_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    WANT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ROUND_SEEN_FIELD_NUMBER: _ClassVar[int]
+    MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeId
+    consumed: int
+    late_consumed: int
+    released: int
+    want: int
+    last_round_seen: int
+    max_wait_ms: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., consumed: _Optional[int] = ..., late_consumed: _Optional[int] = ..., released: _Optional[int] = ..., want: _Optional[int] = ..., last_round_seen: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
+
+class Round(_message.Message):
+    __slots__ = ("id", "kind", "iteration")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    kind: RoundKind
+    iteration: int
+    def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., iteration: _Optional[int] = ...) -> None: ...
+
+class AcquireCreditsResponse(_message.Message):
+    __slots__ = ("grant", "round", "counter")
+    GRANT_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
+    grant: int
+    round: Round
+    counter: int
+    def __init__(self, grant: _Optional[int] = ..., round: _Optional[_Union[Round, _Mapping]] = ..., counter: _Optional[int] = ...) -> None: ...
+
+class Candidate(_message.Message):
+    __slots__ = ("worker_id", "loss")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    loss: float
+    def __init__(self, worker_id: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
+
+class ReportRoundRequest(_message.Message):
+    __slots__ = ("node", "round_id", "best", "has_best", "participants")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    BEST_FIELD_NUMBER: _ClassVar[int]
+    HAS_BEST_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeId
+    round_id: int
+    best: Candidate
+    has_best: bool
+    participants: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ...) -> None: ...
+
+class ReportRoundResponse(_message.Message):
+    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes")
+    MISSED_FIELD_NUMBER: _ClassVar[int]
+    HAS_LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_NODE_FIELD_NUMBER: _ClassVar[int]
+    PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    missed: bool
+    has_leader: bool
+    leader: Candidate
+    leader_node: int
+    participants: int
+    nodes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class PushHeader(_message.Message):
+    __slots__ = ("node", "round_id", "buffer", "param_count", "summands")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUMMANDS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeId
+    round_id: int
+    buffer: BufferKind
+    param_count: int
+    summands: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., param_count: _Optional[int] = ..., summands: _Optional[int] = ...) -> None: ...
+
+class PushParamsRequest(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    chunk: ParamChunk
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., chunk: _Optional[_Union[ParamChunk, _Mapping]] = ...) -> None: ...
+
+class PushParamsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ParamChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PullParamsRequest(_message.Message):
+    __slots__ = ("node", "round_id", "buffer", "chunk_elements")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    BUFFER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    node: NodeId
+    round_id: int
+    buffer: BufferKind
+    chunk_elements: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., chunk_elements: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node", "consumed", "late_consumed")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    LATE_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    node: NodeId
+    consumed: int
+    late_consumed: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., consumed: _Optional[int] = ..., late_consumed: _Optional[int] = ...) -> None: ...
+
+class LeaveResponse(_message.Message):
+    __slots__ = ("counter",)
+    COUNTER_FIELD_NUMBER: _ClassVar[int]
+    counter: int
+    def __init__(self, counter: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,38 @@
+"""Elastic Averaging SGD (Zhang, Choromanska, LeCun, NeurIPS 2015), synchronous round form.
+
+In each global round every participant pulls toward the center with strength ``alpha``
+(``x <- x - alpha (x - center)``) and the center moves toward the mean of the participants'
+values from before their pull: ``center <- center + beta (mean - center)``, with
+``beta = alpha * participants`` unless ``beta`` is set.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import CENTER, GLOBAL_LEADER, SUM, Exchange, RoundKind, RoundRoles, Rule
+from .ops import elastic_center_
+
+
+class EASGD(Rule):
+    """EASGD: elastic pull toward a center variable held by the global server."""
+
+    name = "easgd"
+    exchange = Exchange.CENTER
+
+    def __init__(self, alpha: float = 0.1, beta: float | None = None) -> None:
+        self.alpha, self.beta = alpha, beta
+
+    @property
+    def node_buffers(self) -> tuple[str, ...]:
+        return (CENTER, GLOBAL_LEADER, SUM)
+
+    def pulls(self, kind: RoundKind, roles: RoundRoles) -> list[tuple[str, float]]:
+        return [(CENTER, self.alpha)] if kind == RoundKind.GLOBAL else []
+
+    def beta_for(self, count: int) -> float:
+        """The center's moving rate for a round with ``count`` participants."""
+        return self.beta if self.beta is not None else self.alpha * count
+
+    def update_center_(self, center: np.ndarray, total: np.ndarray, count: int) -> None:
+        elastic_center_(center, total, count, self.beta_for(count))

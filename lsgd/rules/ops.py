@@ -1,0 +1,111 @@
+"""In-place, chunked numpy kernels over flat float32 vectors.
+
+Every function works on cache-sized slices so that no full-size temporary is ever allocated,
+whatever the model size (``reference/limits.md``: chunked in-place pulls run ~2x faster than
+``out=`` over the whole vector and ~3x faster than the naive expression).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+CHUNK = 1 << 18  # 256K float32 elements = 1 MiB per slice
+
+
+def _check(x: np.ndarray, other: np.ndarray) -> None:
+    if x.shape != other.shape or x.ndim != 1:
+        raise ValueError(f"expected two flat vectors of one length, got {x.shape} and {other.shape}")
+
+
+def pull_toward_(x: np.ndarray, target: np.ndarray, strength: float, chunk: int = CHUNK) -> float:
+    """Move ``x`` toward ``target`` in place: ``x <- x - strength * (x - target)``.
+
+    Args:
+        x: flat float32 vector, modified in place.
+        target: flat float32 vector of the same length (not modified).
+        strength: pulling strength in [0, 1]; 0 leaves ``x`` untouched.
+        chunk: elements per slice.
+
+    Returns:
+        The L2 distance ``||x - target||`` before the pull.
+    """
+    _check(x, target)
+    if not 0.0 <= strength <= 1.0:
+        raise ValueError(f"pulling strength must be in [0, 1], got {strength}")
+    s = np.float32(strength)
+    scratch = np.empty(min(chunk, x.size), dtype=x.dtype)
+    sq = 0.0
+    for lo in range(0, x.size, chunk):
+        hi = min(lo + chunk, x.size)
+        d = scratch[: hi - lo]
+        np.subtract(x[lo:hi], target[lo:hi], out=d)  # d = x - target
+        sq += float(np.dot(d, d))
+        if s:
+            d *= s
+            np.subtract(x[lo:hi], d, out=x[lo:hi])
+    return math.sqrt(sq)
+
+
+def copy_(dst: np.ndarray, src: np.ndarray, chunk: int = CHUNK) -> None:
+    """Copy ``src`` into ``dst`` slice by slice."""
+    _check(dst, src)
+    for lo in range(0, dst.size, chunk):
+        hi = min(lo + chunk, dst.size)
+        dst[lo:hi] = src[lo:hi]
+
+
+def sum_into_(out: np.ndarray, vectors: list[np.ndarray], chunk: int = CHUNK) -> None:
+    """Write the element-wise sum of ``vectors`` into ``out`` (no temporaries)."""
+    if not vectors:
+        raise ValueError("sum_into_ needs at least one vector")
+    for v in vectors:
+        _check(out, v)
+    for lo in range(0, out.size, chunk):
+        hi = min(lo + chunk, out.size)
+        o = out[lo:hi]
+        o[...] = vectors[0][lo:hi]
+        for v in vectors[1:]:
+            o += v[lo:hi]
+
+
+def scale_(x: np.ndarray, factor: float, chunk: int = CHUNK) -> None:
+    """Multiply ``x`` by ``factor`` in place."""
+    f = np.float32(factor)
+    for lo in range(0, x.size, chunk):
+        x[lo : lo + chunk] *= f
+
+
+def elastic_center_(center: np.ndarray, total: np.ndarray, count: int, beta: float,
+                    chunk: int = CHUNK) -> None:
+    """EASGD center move in place: ``center <- center + beta * (total / count - center)``.
+
+    Args:
+        center: the center variable, modified in place.
+        total: sum of the participants' parameter vectors (values from before their pull).
+        count: number of vectors summed in ``total``.
+        beta: moving rate in [0, 1].
+    """
+    _check(center, total)
+    if count < 1:
+        raise ValueError("elastic_center_ needs at least one participant")
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    inv, b = np.float32(1.0 / count), np.float32(beta)
+    scratch = np.empty(min(chunk, center.size), dtype=center.dtype)
+    for lo in range(0, center.size, chunk):
+        hi = min(lo + chunk, center.size)
+        d = scratch[: hi - lo]
+        np.multiply(total[lo:hi], inv, out=d)  # mean
+        d -= center[lo:hi]
+        d *= b
+        center[lo:hi] += d
+
+
+def all_finite(x: np.ndarray, chunk: int = CHUNK) -> bool:
+    """True when every element of ``x`` is finite (checked slice by slice)."""
+    for lo in range(0, x.size, chunk):
+        if not np.isfinite(x[lo : lo + chunk]).all():
+            return False
+    return True

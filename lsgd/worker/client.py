@@ -1,0 +1,225 @@
+"""The client a training loop uses to be an lsgd worker.
+
+Typical loop (the local server starts the process and calls ``entry(worker)``)::
+
+    def main(worker):
+        model = build_model(seed=worker.config.seed)
+        worker.register(model.params, evaluate=lambda: {"accuracy": model.accuracy(xt, yt)})
+        while worker.step(model.train_step(*next(batches))):
+            pass
+
+``step(loss)`` costs a counter decrement on most iterations: the worker holds *credits* (steps
+it may take before asking again) granted by its local server. When they run out it asks for
+more; the answer may be more credits, a round (publish, pull, go on) or the end of the job.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ..config import JobConfig
+from ..leader import LossWindow
+from ..local_server import messages as m
+from ..local_server.store import NodeStore
+from ..rules import ops
+from ..rules.base import RoundKind
+from .adapters import ParamAdapter, as_params
+
+log = logging.getLogger(__name__)
+
+POLL = 1.0  # seconds between checks that the local server is still alive
+
+
+class LocalServerGone(RuntimeError):
+    """The local server died or stopped answering."""
+
+
+@dataclass
+class WorkerContext:
+    """What the local server hands a worker process."""
+
+    config: JobConfig
+    local_index: int
+    inbox: Any  # multiprocessing queue to the local server
+    replies: Any  # this worker's reply queue
+    parent_pid: int
+
+
+class Worker:
+    """One lsgd worker. Not thread-safe: use it from the training loop's thread."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
+        self.config = ctx.config
+        self.local_index = ctx.local_index
+        self.worker_id = ctx.config.worker_id(ctx.local_index)
+        self.num_workers = ctx.config.total_workers
+        self.iterations = 0
+        self._window = LossWindow(ctx.config.window)
+        self._credits = 0
+        self._unreported = 0
+        self._params: ParamAdapter | None = None
+        self._evaluate: Callable[[], dict[str, float]] | None = None
+        self._store: NodeStore | None = None
+        self._proximal: list[tuple[str, float]] = []
+        self._stopped = False
+        # A reply wait is bounded: a round takes at most a few round timeouts.
+        self._reply_timeout = 4 * ctx.config.round_timeout + 60.0
+
+    # ------------------------------------------------------------------ public API
+    def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None) -> None:
+        """Register the model's parameters (once) and an optional evaluation function.
+
+        Args:
+            params: a list of float32 numpy arrays, of PyTensor shared variables, or an adapter.
+            evaluate: called after the job with the final leader / average / center loaded into
+                the model; returns metrics such as ``{"accuracy": 0.97}``.
+        """
+        if self._params is not None:
+            raise RuntimeError("register() may be called once")
+        self._params = as_params(params)
+        self._evaluate = evaluate
+        self._send(m.Hello(self.local_index, self._params.param_count))
+        setup = self._expect(m.Setup)
+        self._store = NodeStore.attach(setup.layout)
+        self._params.read_into(self._store.slot(self.local_index))
+        rule = self.config.make_rule()
+        if hasattr(rule, "proximal_pulls"):
+            self._proximal = rule.proximal_pulls(self.config.num_groups > 1)
+        self._send(m.Ready(self.local_index))
+        if not self._refill(m.Ask(self.local_index, 0)):  # credits for the first steps
+            self._stopped = True
+
+    def step(self, loss: float) -> bool:
+        """Record one finished SGD step and its minibatch loss.
+
+        Returns:
+            True to keep training, False when the job is over (leave the loop).
+        """
+        if self._params is None:
+            raise RuntimeError("call register() before step()")
+        if self._stopped:
+            return False
+        self.iterations += 1
+        self._unreported += 1
+        self._window.add(loss)
+        if self._proximal:
+            self._proximal_step()
+        self._credits -= 1
+        if self._credits > 0:
+            return True
+        return self._refill(m.Ask(self.local_index, self._take_unreported()))
+
+    def close(self) -> None:
+        """Report the last steps and detach from shared memory (safe to call twice)."""
+        if self._params is not None and not self._stopped:
+            self._send(m.Bye(self.local_index, self._take_unreported()))
+            self._stopped = True
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    # ------------------------------------------------------------------ internals
+    def _take_unreported(self) -> int:
+        n, self._unreported = self._unreported, 0
+        return n
+
+    def _send(self, msg: object) -> None:
+        self._ctx.inbox.put(msg)
+
+    def _get(self) -> object:
+        end = time.monotonic() + self._reply_timeout
+        while True:
+            try:
+                msg = self._ctx.replies.get(timeout=POLL)
+            except queue.Empty:
+                if os.getppid() != self._ctx.parent_pid:
+                    raise LocalServerGone("the local server exited") from None
+                if time.monotonic() > end:
+                    raise LocalServerGone(
+                        f"no answer from the local server in {self._reply_timeout:g} s") from None
+                continue
+            if isinstance(msg, m.Stop):
+                self._stopped = True
+            return msg
+
+    def _expect(self, kind: type) -> Any:
+        msg = self._get()
+        if isinstance(msg, m.Stop):
+            raise LocalServerGone(f"stopped before {kind.__name__}: {msg.reason}")
+        if not isinstance(msg, kind):
+            raise RuntimeError(f"expected {kind.__name__} from the local server, got {msg!r}")
+        return msg
+
+    def _refill(self, ask: m.Ask) -> bool:
+        self._send(ask)
+        while True:
+            msg = self._get()
+            if isinstance(msg, m.Credits):
+                self._credits = msg.count
+                return True
+            if isinstance(msg, m.RoundCall):
+                if not self._round(msg):
+                    return False
+                continue  # the Done message asked for credits again
+            if isinstance(msg, m.Stop):
+                return False
+            raise RuntimeError(f"unexpected message from the local server: {msg!r}")
+
+    def _round(self, call: m.RoundCall) -> bool:
+        """Publish, wait for instructions, pull. Returns False when the job ends."""
+        assert self._store is not None and self._params is not None
+        slot = self._store.slot(self.local_index)
+        self._params.read_into(slot)
+        self._send(m.Join(self.local_index, call.round_id, self._window.estimate,
+                          self._take_unreported(), self.iterations))
+        while True:
+            msg = self._get()
+            if isinstance(msg, m.Pull):
+                distances = {}
+                for name, strength in msg.pulls:
+                    distances[name] = ops.pull_toward_(slot, self._store.buffer(name), strength)
+                if any(s > 0 for _, s in msg.pulls):
+                    self._params.write_from(slot)
+                    if msg.reset_window:
+                        self._window.reset()
+                self._send(m.Done(self.local_index, msg.round_id, distances))
+                return True
+            if isinstance(msg, m.Evaluate):
+                self._send(m.EvalResult(self.local_index, self._run_evaluation(msg.buffers)))
+                continue
+            if isinstance(msg, m.Stop):
+                return False
+            raise RuntimeError(f"unexpected message in round {call.round_id}: {msg!r}")
+
+    def _run_evaluation(self, buffers: tuple[str, ...]) -> dict[str, dict[str, float]]:
+        assert self._store is not None and self._params is not None
+        results: dict[str, dict[str, float]] = {}
+        if self._evaluate is None:
+            return results
+        for name in buffers:
+            vec = self._store.buffer(name)
+            if not ops.all_finite(vec):
+                results[name] = {"error": math.nan}
+                continue
+            self._params.write_from(vec)
+            results[name] = {k: float(v) for k, v in self._evaluate().items()}
+        return results
+
+    def _proximal_step(self) -> None:
+        """Reference-code proximal pull after every step (p1/p2 > 0 only; costs two copies)."""
+        assert self._store is not None and self._params is not None
+        slot = self._store.slot(self.local_index)
+        self._params.read_into(slot)
+        for name, strength in self._proximal:
+            ops.pull_toward_(slot, self._store.buffer(name), strength)
+        self._params.write_from(slot)
+
+
+__all__ = ["Worker", "WorkerContext", "LocalServerGone", "RoundKind"]
