@@ -29,9 +29,16 @@ log = logging.getLogger("lsgd")
 READY_TIMEOUT = 30.0  # seconds for the global server process to start listening
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments end with one line saying what is wrong, not the whole usage text."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lsgd", description="LSGD / EASGD parameter server")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="lsgd", description="LSGD / EASGD parameter server")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     train = sub.add_parser("train", help="run one node of a job",
                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     hints = typing.get_type_hints(JobConfig)
@@ -81,6 +88,10 @@ def _start_global(config: JobConfig, level: int) -> tuple[mp.process.BaseProcess
 
 
 def _stop_global(proc: mp.process.BaseProcess, wait: float) -> None:
+    """Let the global server finish on its own for ``wait`` s (0: ask it to stop now)."""
+    if wait <= 0:
+        proc.terminate()  # SIGTERM: it stops serving and writes its summary
+        wait = 5.0
     proc.join(wait)
     if proc.is_alive():
         log.warning("global server still running after %g s; terminating it", wait)
@@ -114,7 +125,7 @@ def train(config: JobConfig, level: int) -> int:
         code = 1
     finally:
         if global_proc is not None:
-            _stop_global(global_proc, wait=config.node_timeout + 5 if code == 0 else 5)
+            _stop_global(global_proc, wait=config.node_timeout + 5 if code == 0 else 0)
             if code == 0 and global_proc.exitcode not in (0, None):
                 log.error("global server exited with code %s", global_proc.exitcode)
                 code = 1

@@ -1,8 +1,19 @@
-"""A tiny numpy worker job for tests: noisy gradient descent on a quadratic."""
+"""A tiny numpy worker job for tests: noisy gradient descent on a quadratic.
 
+Fault knobs (environment): TOYJOB_DIE="<worker>:<step>" SIGKILLs that worker at that step,
+TOYJOB_STALL="<worker>:<step>" makes it sleep 600 s there, TOYJOB_STEP_SECONDS slows each step.
+"""
+
+import os
+import signal
 import time
 
 import numpy as np
+
+
+def _fault(name):
+    spec = os.environ.get(name, "")
+    return tuple(int(v) for v in spec.split(":")) if spec else (-1, -1)
 
 
 def main(worker):
@@ -11,8 +22,15 @@ def main(worker):
     x = np.full(1000, 5.0, dtype=np.float32)
     target = np.linspace(-1, 1, x.size, dtype=np.float32)
     worker.register([x], evaluate=lambda: {"accuracy": float(1.0 / (1.0 + np.mean((x - target) ** 2)))})
-    delay = float(__import__("os").environ.get("TOYJOB_STEP_SECONDS", "0"))
+    delay = float(os.environ.get("TOYJOB_STEP_SECONDS", "0"))
+    die, stall = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL")
+    step = 0
     while True:
+        step += 1
+        if (worker.worker_id, step) == die:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (worker.worker_id, step) == stall:
+            time.sleep(600)
         noise = rng.normal(0, 0.1, x.size).astype(np.float32)
         x -= np.float32(cfg.lr) * (x - target + noise)
         if delay:

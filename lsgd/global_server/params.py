@@ -39,8 +39,9 @@ class ParamError(Exception):
 class Exchange:
     round_id: int
     kind: RoundKind
-    expected: set[tuple[int, str]]  # (node, buffer) uploads still to come
+    expected: set[tuple[int, str]]  # (node, buffer) uploads not started yet
     deadline: float
+    in_flight: set[tuple[int, str]] = field(default_factory=set)  # uploads being received
     leader_ok: bool = False
     summands: int = 0
     sums_ok: bool = True
@@ -100,10 +101,11 @@ class ParamStore:
         ex = self.exchange
         if ex is None or ex.settled:
             return
-        if ex.expected and self.clock() < ex.deadline and not ex.failed:
+        waiting = ex.expected | ex.in_flight
+        if waiting and self.clock() < ex.deadline and not ex.failed:
             return
-        if ex.expected:
-            ex.failed.append(f"missing uploads {sorted(ex.expected)}")
+        if waiting:
+            ex.failed.append(f"missing uploads {sorted(waiting)}")
             ex.sums_ok = False
             log.warning("round %d exchange incomplete: %s", ex.round_id, "; ".join(ex.failed))
         ex.settled = True
@@ -140,22 +142,27 @@ class ParamStore:
                                      f"round {round_id} (closed, settled or not elected)")
                 if buffer == SUM and not 1 <= summands <= 1 << 20:
                     raise ParamError("INVALID_ARGUMENT", f"summands must be >= 1, got {summands}")
-                ex.expected.discard((node, buffer))  # taken: a retry cannot double-add
+                # Taken: a retry cannot add twice, and the round cannot settle mid-upload.
+                ex.expected.discard((node, buffer))
+                ex.in_flight.add((node, buffer))
         target = self.buffers[SUM if buffer == SUM else (CENTER if buffer == CENTER else LEADER)]
         try:
-            self._receive(target, chunks, add=(buffer == SUM))
+            self._receive(target, chunks, add=(buffer == SUM), exchange=ex)
         except Exception as exc:
             with self._cond:
-                if ex is not None and self.exchange is ex and not ex.settled:
-                    ex.failed.append(f"upload of {buffer} from node {node} broke: {exc}")
-                    if buffer == SUM:
-                        ex.sums_ok = False
-                    self._maybe_settle()
+                if ex is not None:
+                    ex.in_flight.discard((node, buffer))
+                    if not ex.settled:
+                        ex.failed.append(f"upload of {buffer} from node {node} broke: {exc}")
+                        if buffer == SUM:
+                            ex.sums_ok = False
+                        self._maybe_settle()
             raise
         with self._cond:
             if ex is None:
                 self.center_ready = True
-            elif self.exchange is ex:
+            else:
+                ex.in_flight.discard((node, buffer))
                 if buffer == SUM:
                     ex.summands += summands
                 else:
@@ -163,9 +170,13 @@ class ParamStore:
                 self._maybe_settle()
             self._cond.notify_all()
 
-    def _receive(self, target: np.ndarray, chunks: Iterable[tuple[int, bytes]], add: bool) -> None:
+    def _receive(self, target: np.ndarray, chunks: Iterable[tuple[int, bytes]], add: bool,
+                 exchange: Exchange | None) -> None:
         pos = 0
         for offset, data in chunks:
+            if exchange is not None and exchange.settled:
+                raise ParamError("DEADLINE_EXCEEDED", f"round {exchange.round_id} settled before "
+                                 "this upload finished")
             if offset != pos or len(data) % 4 or pos + len(data) // 4 > target.size:
                 raise ParamError("INVALID_ARGUMENT",
                                  f"chunk at {offset} of {len(data)} bytes does not continue at "

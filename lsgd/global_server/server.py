@@ -113,7 +113,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     finally:
         server.stop(grace=1.0).wait(5.0)
         with servicer.cond:
-            summary = coord.snapshot() | {"finished": coord.finished,
+            summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "seconds": round(time.monotonic() - t0, 3)}
         tmp = out / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2, default=str))

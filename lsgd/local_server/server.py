@@ -57,6 +57,7 @@ class WorkerState:
     outstanding: int = 0  # credits granted and not reported used
     released: bool = False  # its credits were released; what it reports next is late
     iterations: int = 0
+    absent: bool = False  # missed a round; rounds do not wait for it until it is heard from
     gone: bool = False
     error: str | None = None
 
@@ -101,6 +102,7 @@ class LocalServer:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.metrics = MetricsWriter(self.dir / "metrics.csv")
         self.summary: dict = {}
+        self.layout_name: str | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -169,6 +171,8 @@ class LocalServer:
         self.client.close()
         self.summary.setdefault("node", self.cfg.node_index)
         self.summary["workers"] = {w.worker_id: w.iterations for w in self.workers}
+        self.summary["pids"] = [os.getpid()] + [w.proc.pid for w in self.workers]
+        self.summary["shm"] = self.layout_name
         self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
         tmp = self.dir / "summary.json.tmp"
         tmp.write_text(json.dumps(self.summary, indent=2))
@@ -220,6 +224,9 @@ class LocalServer:
             return None
         w = self.workers[msg.local]
         w.last_contact = time.monotonic()
+        if w.absent:
+            w.absent = False
+            log.info("worker %d is back", w.worker_id)
         if isinstance(msg, m.Failed):
             log.error("worker %d failed: %s\n%s", w.worker_id, msg.error, msg.trace.rstrip())
             self._gone(w, msg.error)
@@ -261,6 +268,7 @@ class LocalServer:
         layout = StoreLayout.new(self.cfg.node_index, param_count, self.cfg.workers,
                                  self.rule.node_buffers)
         self.store = NodeStore.create(layout)
+        self.layout_name = layout.name
         for w in self._live():
             self._send(w, m.Setup(layout))
         resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
@@ -410,7 +418,8 @@ class LocalServer:
         self.pending.clear()
         joins: dict[int, m.Join] = {}
         end = time.monotonic() + self.cfg.round_timeout
-        while time.monotonic() < end and any(w.local not in joins for w in self._live()):
+        while time.monotonic() < end and any(w.local not in joins and not w.absent
+                                              for w in self._live()):
             msg = self._recv()
             if msg is None:
                 continue
@@ -425,10 +434,13 @@ class LocalServer:
                     joins[msg.local] = msg
                 else:
                     self._send(w, m.Pull(msg.round_id, (), False))
-        missing = [w.worker_id for w in self._live() if w.local not in joins]
+        missing = [w for w in self._live() if w.local not in joins and not w.absent]
         if missing:
-            log.warning("round %d: worker(s) %s missed it (round_timeout %g s)", rid, missing,
-                        self.cfg.round_timeout)
+            log.warning("round %d: worker(s) %s missed it (round_timeout %g s); later rounds "
+                        "go on without waiting for them until they are heard from", rid,
+                        [w.worker_id for w in missing], self.cfg.round_timeout)
+            for w in missing:
+                w.absent = True
         return {i: j for i, j in joins.items() if not self.workers[i].gone}
 
     def _collect_dones(self, rid: int, expected: set[int]) -> dict[int, dict[str, float]]:

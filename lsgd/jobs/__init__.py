@@ -1,0 +1,1 @@
+"""Training jobs (models and datasets) run by the LSGD/EASGD workers."""

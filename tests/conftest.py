@@ -1,0 +1,104 @@
+"""Shared fixtures: running nodes the way a user does, and checking they leave nothing behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("lsgd-*")} if Path("/dev/shm").exists() else set()
+
+
+def pid_alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not reaped) counts as gone."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+class Node:
+    """One `bash train.sh <i>` process with its environment."""
+
+    def __init__(self, index: int, env: dict[str, str], run_dir: Path) -> None:
+        self.index, self.run_dir, self.env = index, run_dir, env
+        self.log = run_dir / f"node{index}.log"
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self._logf = self.log.open("w")
+        self.proc = subprocess.Popen(["bash", str(REPO / "train.sh"), str(index)], env=env,
+                                     stdout=self._logf, stderr=subprocess.STDOUT, cwd=run_dir,
+                                     start_new_session=True)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            self._logf.flush()
+
+    def kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    @property
+    def output(self) -> str:
+        self._logf.flush()
+        return self.log.read_text()
+
+    def summary(self) -> dict:
+        path = Path(self.env["RUN_DIR"]) / f"node{self.index}" / "summary.json"
+        return json.loads(path.read_text())
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    """Start nodes with `train.sh`; on teardown kill anything left and check for leftovers."""
+    nodes: list[Node] = []
+    before = shm_segments()
+
+    def start(index: int, **knobs: object) -> Node:
+        env = dict(os.environ)
+        env.update({k: str(v) for k, v in knobs.items()})
+        env.setdefault("RUN_DIR", str(tmp_path / "run"))
+        env["PYTHON"] = sys.executable
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
+        node = Node(index, env, tmp_path)
+        nodes.append(node)
+        return node
+
+    def port_of_node0(timeout: float = 30.0) -> int:
+        path = tmp_path / "run" / "global.port"
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if path.exists() and path.read_text().strip():
+                return int(path.read_text())
+            if nodes and nodes[0].proc.poll() is not None:
+                raise AssertionError(f"node 0 exited early:\n{nodes[0].output}")
+            time.sleep(0.05)
+        raise AssertionError("node 0 did not write its port")
+
+    start.port_of_node0 = port_of_node0
+    start.run_dir = tmp_path / "run"
+    start.nodes = nodes
+    yield start
+    for node in nodes:
+        if node.proc.poll() is None:
+            node.kill_group()
+            node.proc.wait(10)
+    leaked = shm_segments() - before
+    for name in leaked:  # clean up so one failure does not cascade, then fail
+        Path("/dev/shm", name).unlink(missing_ok=True)
+    assert not leaked, f"shared memory left behind: {sorted(leaked)}"

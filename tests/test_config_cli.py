@@ -1,0 +1,87 @@
+"""Bad configuration ends with one clear line and a non-zero exit, never a traceback or hang."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lsgd.config import ConfigError, JobConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
+    env = dict(os.environ, PYTHON=sys.executable, RUN_DIR=str(tmp_path / "run"),
+               PYTHONPATH=str(REPO))
+    env.update(dict(env_pairs))
+    return subprocess.run(["bash", str(REPO / "train.sh"), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("env, expected", [
+    ((("G_COMM", "10"), ("L_COMM", "4")), "g_comm (10) must be a positive multiple of l_comm (4)"),
+    ((("ALGORITHM", "sgd"),), "algorithm 'sgd' is unknown; choose one of: easgd, lsgd"),
+    ((("NUM_GROUPS", "0"),), "num_groups must be >= 1, got 0"),
+    ((("NUM_GROUPS", "2"),), None),  # placeholder replaced below (node index test)
+    ((("C1", "1.5"),), "c1 (pulling strength) must be in [0, 1], got 1.5"),
+    ((("C2", "-0.1"),), "c2 (pulling strength) must be in [0, 1], got -0.1"),
+    ((("ALPHA", "0.9"), ("ALGORITHM", "easgd")), "alpha * workers in the job = 1.8 > 1"),
+    ((("LR", "fast"),), "argument --lr: lr must be float, got 'fast'"),
+    ((("ITERATIONS", ""), ("MINUTES", "")), "set an iteration budget"),
+])
+def test_bad_config_one_clear_line(tmp_path, env, expected):
+    if expected is None:
+        env, args, expected = (("NUM_GROUPS", "2"),), ("2",), "node index 2 is out of range for num_groups=2; use 0 .. 1"
+    else:
+        args = ("0",)
+    res = run_train(tmp_path, *env, args=args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], res.stderr
+    assert "Traceback" not in res.stderr + res.stdout
+
+
+def test_missing_node_index_prints_usage(tmp_path):
+    res = run_train(tmp_path, args=())
+    assert res.returncode == 2 and "usage: bash train.sh <node-index>" in res.stderr
+
+
+def test_unreachable_global_server_fails_after_bounded_retry(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    res = run_train(tmp_path, ("NUM_GROUPS", "2"), ("PORT", str(port)), ("CONNECT_TIMEOUT", "1.5"),
+                    args=("1",), timeout=30)
+    assert res.returncode == 1
+    assert f"global server at 127.0.0.1:{port} unreachable for 1.5 s" in res.stderr
+    assert "Traceback" not in res.stderr
+    assert not list(Path("/dev/shm").glob("lsgd-n1-*"))
+
+
+def test_bad_entry_fails_with_its_error(tmp_path):
+    res = run_train(tmp_path, ("ENTRY", "no_such_module:main"), ("PORT", "0"), timeout=90)
+    assert res.returncode == 1
+    assert "entry 'no_such_module:main': cannot import no_such_module" in res.stderr
+    assert "no worker left on this node" in res.stderr
+
+
+def test_config_derived_values():
+    c = JobConfig(num_groups=3, node_index=2, workers=4, l_comm=8)
+    assert c.window == 4 and c.total_workers == 12 and c.worker_id(1) == 9
+    assert JobConfig(avg_size=5).window == 5
+    with pytest.raises(ConfigError, match="port 0"):
+        JobConfig(num_groups=2, node_index=1, port=0)
+    with pytest.raises(ConfigError, match="job_id"):
+        JobConfig(job_id="a b")
+
+
+def test_generated_grpc_code_matches_the_proto():
+    res = subprocess.run([sys.executable, "-m", "lsgd.proto.generate", "--check"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr

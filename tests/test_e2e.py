@@ -1,0 +1,125 @@
+"""End to end: nodes started with `bash train.sh <i>` on loopback, as a user runs them."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+
+import pytest
+
+from conftest import pid_alive, shm_segments
+
+TOY = dict(ENTRY="toyjob:main", LOG_LEVEL="INFO")
+
+
+def global_summary(run_dir) -> dict:
+    return json.loads((run_dir / "global" / "summary.json").read_text())
+
+
+def assert_clean_exit(run_dir, nodes) -> None:
+    """No process of the job is alive and no segment of it is left in /dev/shm."""
+    pids = [global_summary(run_dir)["pid"]] if (run_dir / "global" / "summary.json").exists() else []
+    for node in nodes:
+        s = node.summary()
+        pids += s["pids"]
+        assert s["shm"] and s["shm"] not in shm_segments(), f"segment {s['shm']} left in /dev/shm"
+    end = time.monotonic() + 5
+    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)], "a process of the job survived"
+
+
+def counter_check(run_dir, nodes) -> tuple[int, int]:
+    counter = global_summary(run_dir)["counter"]
+    done = sum(sum(n.summary()["workers"].values()) for n in nodes)
+    return counter, done
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+def test_two_nodes_two_workers_train_digits(cluster, algorithm):
+    knobs = dict(NUM_GROUPS=2, WORKERS=2, ALGORITHM=algorithm, ITERATIONS=8000)
+    n0 = cluster(0, PORT=0, **knobs)
+    n1 = cluster(1, PORT=cluster.port_of_node0(), **knobs)
+    assert n1.wait(180) == 0, n1.output
+    assert n0.wait(60) == 0, n0.output
+    counter, done = counter_check(cluster.run_dir, [n0, n1])
+    print(f"{algorithm}: global counter {counter}, iterations done by the 4 workers {done}")
+    assert counter == done == 8000
+    ev = n0.summary()["evaluation"]
+    print(f"{algorithm}: test accuracy {json.dumps(ev)}")
+    assert ev["leader"]["accuracy"] >= 0.93
+    assert ev["average"]["accuracy"] >= 0.93
+    if algorithm == "easgd":
+        assert ev["center"]["accuracy"] >= 0.93
+    assert "test accuracy" in n0.output and "Traceback" not in n0.output + n1.output
+    rows = (cluster.run_dir / "node1" / "metrics.csv").read_text().splitlines()
+    assert rows[0].startswith("round,kind,iteration,time_s,worker_id")
+    kinds = {r.split(",")[1] for r in rows[1:]}
+    assert kinds == ({"local", "global"} if algorithm == "lsgd" else {"global"})
+    assert_clean_exit(cluster.run_dir, [n0, n1])
+
+
+@pytest.mark.timeout(120)
+def test_worker_killed_mid_run_does_not_hang_the_job(cluster):
+    # worker 1 SIGKILLs itself at its 300th step; the round it misses is logged
+    node = cluster(0, PORT=0, ITERATIONS=4000, ROUND_TIMEOUT=3, TOYJOB_DIE=f"1:300", **TOY)
+    assert node.wait(90) == 0, node.output
+    assert re.search(r"worker 1 left the job: process exited with code -9", node.output)
+    s = node.summary()
+    assert s["workers"]["0"] > 2000 and s["workers"]["1"] < 300
+    assert s["evaluation"]["leader"]["accuracy"] > 0.9
+    assert_clean_exit(cluster.run_dir, [node])
+
+
+@pytest.mark.timeout(120)
+def test_stuck_worker_is_left_out_of_rounds_and_the_rest_go_on(cluster):
+    # worker 1 sleeps 600 s at its 200th step: alive but stuck
+    node = cluster(0, PORT=0, ITERATIONS=3000, ROUND_TIMEOUT=2, TOYJOB_STALL="1:200", **TOY)
+    assert node.wait(90) == 0, node.output
+    assert re.search(r"silent for \d+ s holding \d+ credits; releasing them", node.output)
+    assert re.search(r"round \d+: worker\(s\) \[1\] missed it", node.output)
+    assert "did not stop in" in node.output  # it was terminated at the end, not waited for
+    counter, done = counter_check(cluster.run_dir, [node])
+    assert counter == done  # late work is counted, nothing twice
+    assert_clean_exit(cluster.run_dir, [node])
+
+
+@pytest.mark.timeout(120)
+def test_dead_node_is_dropped_and_the_job_finishes(cluster):
+    knobs = dict(NUM_GROUPS=2, NODE_TIMEOUT=2, ROUND_TIMEOUT=5, ITERATIONS=6000,
+                 TOYJOB_STEP_SECONDS="0.001", **TOY)
+    n0 = cluster(0, PORT=0, **knobs)
+    n1 = cluster(1, PORT=cluster.port_of_node0(), **knobs)
+    metrics = cluster.run_dir / "node1" / "metrics.csv"
+    end = time.monotonic() + 60
+    while time.monotonic() < end and len(metrics.read_text().splitlines() if metrics.exists() else []) < 6:
+        time.sleep(0.1)
+    n1.proc.send_signal(signal.SIGKILL)  # the node's local server dies without cleaning up
+    assert n0.wait(90) == 0, n0.output
+    assert "node 1 dropped" in n0.output
+    assert global_summary(cluster.run_dir)["counter"] == 6000
+    # node 1's workers notice their local server is gone and exit; the segment is reclaimed
+    pids = [global_summary(cluster.run_dir)["pid"]] + n0.summary()["pids"]
+    assert not [p for p in pids if pid_alive(p)]
+    end = time.monotonic() + 10
+    while shm_segments() and time.monotonic() < end:
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_stops_everything_and_removes_shared_memory(cluster, sig):
+    node = cluster(0, PORT=0, ITERATIONS=10**9, TOYJOB_STEP_SECONDS="0.001", **TOY)
+    metrics = cluster.run_dir / "node0" / "metrics.csv"
+    end = time.monotonic() + 30
+    while time.monotonic() < end and len(metrics.read_text().splitlines() if metrics.exists() else []) < 3:
+        time.sleep(0.1)
+    assert len(metrics.read_text().splitlines()) >= 3, node.output
+    import os
+    os.killpg(node.proc.pid, sig) if sig == signal.SIGINT else node.proc.send_signal(sig)
+    assert node.wait(20) == 130, node.output
+    assert "Traceback" not in node.output
+    assert_clean_exit(cluster.run_dir, [node])

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Run one node of an lsgd job.
+#
+#   bash train.sh <node-index>
+#
+# Node 0 also starts the global server. With the defaults below the whole job runs on this
+# machine. For several machines, set ip_addr to node 0's address and num_groups to the number of
+# nodes, then run `bash train.sh <i>` on node i (0 .. num_groups-1). Every knob can be overridden
+# from the environment by its upper-case name, e.g.
+#
+#   NUM_GROUPS=2 bash train.sh 0 &  NUM_GROUPS=2 bash train.sh 1      # two nodes, one machine
+#   ALGORITHM=easgd ALPHA=0.1 bash train.sh 0                         # EASGD instead of LSGD
+#   C1=0.2 C2=0.05 bash train.sh 0                                    # other LSGD pull strengths
+set -euo pipefail
+
+# --- where the job runs -------------------------------------------------------------------
+ip_addr="${IP_ADDR:-127.0.0.1}"     # address of node 0 (global server)
+port="${PORT:-50051}"               # global server port (0 on node 0: any free port)
+num_groups="${NUM_GROUPS:-1}"       # number of nodes
+workers="${WORKERS:-2}"             # worker processes per node
+# --- the rule ------------------------------------------------------------------------------
+algorithm="${ALGORITHM:-lsgd}"      # lsgd | easgd
+c1="${C1:-0.1}"                     # LSGD pull toward the local (node) leader, in [0, 1]
+c2="${C2:-0.1}"                     # LSGD pull toward the global leader, in [0, 1]
+p1="${P1:-0}"                       # LSGD per-step proximal pulls (reference code, not the
+p2="${P2:-0}"                       #   paper; off by default)
+alpha="${ALPHA:-0.1}"               # EASGD moving rate toward the center, in [0, 1]
+beta="${BETA:-}"                    # EASGD center moving rate (empty: alpha * participants)
+l_comm="${L_COMM:-16}"              # local round every l_comm iterations per worker
+g_comm="${G_COMM:-64}"              # global round every g_comm iterations per worker
+avg_size="${AVG_SIZE:-}"            # losses averaged to elect leaders (empty: l_comm / 2)
+# --- the training job ----------------------------------------------------------------------
+entry="${ENTRY:-lsgd.jobs.digits_mlp:main}"   # worker function, module:function
+lr="${LR:-0.05}"                    # learning rate
+momentum="${MOMENTUM:-0.9}"         # Nesterov momentum
+batch_size="${BATCH_SIZE:-32}"      # minibatch size
+iterations="${ITERATIONS-6000}"     # total SGD steps over all workers (set empty: no limit)
+minutes="${MINUTES:-}"              # wall-clock budget (empty: no limit)
+seed="${SEED:-0}"                   # random seed
+run_dir="${RUN_DIR:-runs/lsgd}"     # outputs: RUN_DIR/node<i>/{metrics.csv,summary.json}
+job_id="${JOB_ID:-lsgd}"            # job name, the same on every node
+# --- fault handling ------------------------------------------------------------------------
+round_timeout="${ROUND_TIMEOUT:-30}"     # seconds a round waits for a late worker or node
+node_timeout="${NODE_TIMEOUT:-5}"        # seconds of silence before a node is dropped
+join_timeout="${JOIN_TIMEOUT:-60}"       # seconds to wait for every node to join
+connect_timeout="${CONNECT_TIMEOUT:-20}" # seconds a node retries to reach the global server
+log_level="${LOG_LEVEL:-INFO}"
+
+if [ $# -ne 1 ]; then
+    echo "usage: bash train.sh <node-index>   (0 .. num_groups-1; node 0 hosts the global server)" >&2
+    exit 2
+fi
+PYTHON="${PYTHON:-python3}"
+
+exec "$PYTHON" -m lsgd train \
+    --node-index "$1" --ip-addr "$ip_addr" --port "$port" --num-groups "$num_groups" \
+    --workers "$workers" --algorithm "$algorithm" --c1 "$c1" --c2 "$c2" --p1 "$p1" --p2 "$p2" \
+    --alpha "$alpha" --beta "$beta" --l-comm "$l_comm" --g-comm "$g_comm" --avg-size "$avg_size" \
+    --entry "$entry" --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
+    --iterations "$iterations" --minutes "$minutes" --seed "$seed" --run-dir "$run_dir" \
+    --job-id "$job_id" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
+    --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --log-level "$log_level"
