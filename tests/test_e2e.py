@@ -48,6 +48,8 @@ def test_two_nodes_two_workers_train_digits(cluster, algorithm):
     counter, done = counter_check(cluster.run_dir, [n0, n1])
     print(f"{algorithm}: global counter {counter}, iterations done by the 4 workers {done}")
     assert counter == done == 8000
+    for node in (n0, n1):
+        assert set(node.summary()["worker_exit_codes"].values()) == {0}
     ev = n0.summary()["evaluation"]
     print(f"{algorithm}: test accuracy {json.dumps(ev)}")
     assert ev["leader"]["accuracy"] >= 0.93

@@ -172,6 +172,7 @@ class LocalServer:
         self.summary.setdefault("node", self.cfg.node_index)
         self.summary["workers"] = {w.worker_id: w.iterations for w in self.workers}
         self.summary["pids"] = [os.getpid()] + [w.proc.pid for w in self.workers]
+        self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
         self.summary["shm"] = self.layout_name
         self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
         tmp = self.dir / "summary.json.tmp"
