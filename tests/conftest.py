@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -16,8 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 
 
-def shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("lsgd-*")} if Path("/dev/shm").exists() else set()
+def shm_segments(job_id: str = "") -> set[str]:
+    """Names of lsgd segments in /dev/shm (of one job when ``job_id`` is given)."""
+    pattern = f"lsgd-{job_id}-*" if job_id else "lsgd-*"
+    return {p.name for p in Path("/dev/shm").glob(pattern)} if Path("/dev/shm").exists() else set()
 
 
 def pid_alive(pid: int) -> bool:
@@ -64,15 +67,19 @@ class Node:
 
 
 @pytest.fixture
-def cluster(tmp_path):
-    """Start nodes with `train.sh`; on teardown kill anything left and check for leftovers."""
+def cluster(tmp_path, request):
+    """Start nodes with `train.sh`; on teardown kill anything left and check for leftovers.
+
+    Each test runs its own job id, so segments of other runs on the machine are not counted.
+    """
     nodes: list[Node] = []
-    before = shm_segments()
+    job_id = "t" + uuid.uuid4().hex[:12]
 
     def start(index: int, **knobs: object) -> Node:
         env = dict(os.environ)
         env.update({k: str(v) for k, v in knobs.items()})
         env.setdefault("RUN_DIR", str(tmp_path / "run"))
+        env["JOB_ID"] = job_id
         env["PYTHON"] = sys.executable
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
         node = Node(index, env, tmp_path)
@@ -93,12 +100,16 @@ def cluster(tmp_path):
     start.port_of_node0 = port_of_node0
     start.run_dir = tmp_path / "run"
     start.nodes = nodes
+    start.job_id = job_id
     yield start
     for node in nodes:
         if node.proc.poll() is None:
             node.kill_group()
             node.proc.wait(10)
-    leaked = shm_segments() - before
+    end = time.monotonic() + 10  # orphaned workers of a killed node exit within ~1 s
+    while shm_segments(job_id) and time.monotonic() < end:
+        time.sleep(0.1)
+    leaked = shm_segments(job_id)
     for name in leaked:  # clean up so one failure does not cascade, then fail
         Path("/dev/shm", name).unlink(missing_ok=True)
     assert not leaked, f"shared memory left behind: {sorted(leaked)}"

@@ -107,8 +107,9 @@ def test_dead_node_is_dropped_and_the_job_finishes(cluster):
     pids = [global_summary(cluster.run_dir)["pid"]] + n0.summary()["pids"]
     assert not [p for p in pids if pid_alive(p)]
     end = time.monotonic() + 10
-    while shm_segments() and time.monotonic() < end:
+    while shm_segments(cluster.job_id) and time.monotonic() < end:
         time.sleep(0.1)
+    assert not shm_segments(cluster.job_id)
 
 
 @pytest.mark.timeout(60)

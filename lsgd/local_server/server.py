@@ -93,6 +93,7 @@ class LocalServer:
         self.client = GlobalClient(address, config.job_id, config.node_index, config.round_timeout)
         self.heartbeat: Heartbeat | None = None
         self.pool = 0
+        self.share = 1  # credits handed to a worker per request
         self.report = Report()
         self.pending: deque[int] = deque()
         self.last_round_seen = 0
@@ -266,7 +267,7 @@ class LocalServer:
             raise NodeError(f"workers built models of different sizes {sorted(sizes)}; every "
                             "worker must build the same model")
         (param_count,) = sizes
-        layout = StoreLayout.new(self.cfg.node_index, param_count, self.cfg.workers,
+        layout = StoreLayout.new(self.cfg.job_id, self.cfg.node_index, param_count, self.cfg.workers,
                                  self.rule.node_buffers)
         self.store = NodeStore.create(layout)
         self.layout_name = layout.name
@@ -304,13 +305,14 @@ class LocalServer:
     # ------------------------------------------------------------------ credits
     def _loop(self) -> None:
         while True:
-            msg = self._recv()
-            if msg is not None:
-                self._dispatch(msg)
             answer = self._serve_pending()
             if answer is not None:
                 if self._run_round(answer):
                     return
+                continue  # the round's participants now wait for credits: serve them first
+            msg = self._recv()
+            if msg is not None:
+                self._dispatch(msg)
 
     def _dispatch(self, msg: object) -> None:
         w = self.workers[msg.local]
@@ -333,7 +335,7 @@ class LocalServer:
                 self.pending.popleft()
                 continue
             if self.pool > 0:
-                n = math.ceil(self.pool / len(self._live()))
+                n = min(self.pool, self.share)
                 self.pool -= n
                 w.outstanding += n
                 self.pending.popleft()
@@ -345,6 +347,8 @@ class LocalServer:
             if answer.grant == 0:
                 return None
             self.pool += answer.grant
+            # Each worker takes an equal share of the grant; a faster one comes back for more.
+            self.share = math.ceil(self.pool / len(self._live()))
         return None
 
     def _acquire(self, want: int) -> CreditAnswer:

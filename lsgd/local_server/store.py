@@ -56,11 +56,13 @@ class StoreLayout:
         return (self.slots + self.buffers.index(buffer)) * self.stride
 
     @classmethod
-    def new(cls, node_index: int, param_count: int, slots: int, buffers: tuple[str, ...]) -> "StoreLayout":
-        """A layout with a fresh, unguessable segment name."""
+    def new(cls, job_id: str, node_index: int, param_count: int, slots: int,
+            buffers: tuple[str, ...]) -> "StoreLayout":
+        """A layout with a fresh, unguessable segment name ``lsgd-<job>-n<node>-<random>``."""
         if param_count < 1:
             raise ValueError(f"param_count must be >= 1, got {param_count}")
-        return cls(f"lsgd-n{node_index}-{secrets.token_hex(8)}", param_count, slots, tuple(buffers))
+        name = f"lsgd-{job_id}-n{node_index}-{secrets.token_hex(8)}"
+        return cls(name, param_count, slots, tuple(buffers))
 
 
 class NodeStore:
