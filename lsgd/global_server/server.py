@@ -55,10 +55,13 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
 
 
 def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64) -> tuple[grpc.Server, int]:
-    """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port)."""
+    """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port).
+
+    The call counts are in ``servicer.calls.counts``.
+    """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="lsgd-global"),
-                         options=GRPC_OPTIONS)
+                         options=GRPC_OPTIONS, interceptors=[servicer.calls])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
     try:
         port = server.add_insecure_port(address)
@@ -114,6 +117,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         server.stop(grace=1.0).wait(5.0)
         with servicer.cond:
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
+                                          "calls": dict(servicer.calls.counts),
                                           "seconds": round(time.monotonic() - t0, 3)}
         tmp = out / "summary.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2, default=str))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from typing import Callable, Iterator
 
 import grpc
@@ -31,6 +32,19 @@ DEFAULT_CHUNK = 1 << 20  # float32 elements per download chunk (4 MiB)
 MAX_CHUNK = 1 << 22
 
 
+class CallCounter(grpc.ServerInterceptor):
+    """Counts calls per RPC method (reported in the run summary and by the benchmarks)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 - grpc API
+        with self._lock:
+            self.counts[handler_call_details.method.rsplit("/", 1)[-1]] += 1
+        return continuation(handler_call_details)
+
+
 def _abort(context: grpc.ServicerContext, exc: CoordinatorError | ParamError) -> None:
     context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
 
@@ -46,6 +60,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.clock = clock
         self.cond = threading.Condition()
         self._exchanged = 0  # newest round whose parameter exchange was started
+        self.calls = CallCounter()
 
     # ------------------------------------------------------------------ shared
     def tick(self) -> None:

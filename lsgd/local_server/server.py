@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 POLL = 0.05  # seconds between liveness checks while waiting for messages
 START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
 STOP_GRACE = 5.0  # seconds workers get to exit after Stop before they are terminated
+WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
 
 
 class NodeError(RuntimeError):
@@ -341,7 +342,7 @@ class LocalServer:
                 self.pending.popleft()
                 self._send(w, m.Credits(n))
                 continue
-            answer = self._acquire(want=len(self._live()) * self.cfg.l_comm)
+            answer = self._acquire(want=WANT)
             if answer.round_id > self.last_round_seen:
                 return answer
             if answer.grant == 0:
