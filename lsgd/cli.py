@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import typing
+from pathlib import Path
 
 from .config import ConfigError, JobConfig, fields
 
@@ -65,14 +66,22 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _start_global(config: JobConfig, level: int) -> tuple[mp.process.BaseProcess, int]:
+def _start_global(config: JobConfig, level: int) -> tuple[mp.process.BaseProcess, object]:
+    """Start the global server process; returns it and the pipe it reports readiness on."""
     from .global_server.server import process_main
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=process_main, args=(config, child, level), name="lsgd-global")
+    # daemon: multiprocessing terminates it if this process exits by any path
+    proc = ctx.Process(target=process_main, args=(config, child, level), name="lsgd-global",
+                       daemon=True)
     proc.start()
     child.close()
+    return proc, parent
+
+
+def _await_global(proc: mp.process.BaseProcess, parent: object) -> int:
+    """Wait until the global server listens; returns its port."""
     if not parent.poll(READY_TIMEOUT):
         proc.terminate()
         raise RuntimeError(f"the global server did not start within {READY_TIMEOUT:g} s")
@@ -84,7 +93,7 @@ def _start_global(config: JobConfig, level: int) -> tuple[mp.process.BaseProcess
     if status != "ready":
         proc.join(5)
         raise RuntimeError(f"the global server could not start: {value}")
-    return proc, value
+    return value
 
 
 def _stop_global(proc: mp.process.BaseProcess, wait: float) -> None:
@@ -114,7 +123,8 @@ def train(config: JobConfig, level: int) -> int:
     try:
         port = config.port
         if config.node_index == 0:
-            global_proc, port = _start_global(config, level)
+            global_proc, ready = _start_global(config, level)
+            port = _await_global(global_proc, ready)
         server = LocalServer(config, f"{config.ip_addr}:{port}", level)
         code = server.run()
         _print_summary(server.summary, code)
@@ -160,7 +170,15 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"lsgd: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        (Path(config.run_dir) / f"node{config.node_index}").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"lsgd: error: cannot create run directory {config.run_dir}: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+    # Explicit handlers: a node started in the background may inherit SIGINT as ignored.
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     return train(config, level)
 
 

@@ -18,7 +18,7 @@ def make(num_groups=2, workers=2, l_comm=2, g_comm=4, local=True, iters=None, se
 
 def join_all(c, n, now=0.0):
     return {i: c.join(job_id="j", index=i, workers=c.workers, algorithm="lsgd",
-                      num_groups=c.num_groups, now=now)[0].session for i in range(n)}
+                      num_groups=c.num_groups, now=now).session for i in range(n)}
 
 
 def acq(c, s, i, now=0.0, consumed=0, want=100, seen=None, released=0, late=0):
@@ -47,7 +47,7 @@ def test_no_credits_until_every_node_joined():
 
 
 def join_all_rest(c):
-    return {1: c.join(job_id="j", index=1, workers=2, algorithm="lsgd", num_groups=2, now=0)[0].session}
+    return {1: c.join(job_id="j", index=1, workers=2, algorithm="lsgd", num_groups=2, now=0).session}
 
 
 def drain(c, s, nodes, now=0.0):
@@ -154,7 +154,7 @@ def test_silent_node_is_dropped_its_credits_freed_and_round_goes_on():
     with pytest.raises(CoordinatorError, match="dropped"):
         c.heartbeat(1, s[1], now=7)
     # and it may rejoin with a new session
-    node, _ = c.join(job_id="j", index=1, workers=2, algorithm="lsgd", num_groups=2, now=8)
+    node = c.join(job_id="j", index=1, workers=2, algorithm="lsgd", num_groups=2, now=8)
     assert node.session != s[1] and node.alive
 
 

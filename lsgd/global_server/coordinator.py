@@ -137,7 +137,6 @@ class Coordinator:
         self.target, self.target_kind = schedule.next_event(0)
         self.round: RoundState | None = None  # newest round
         self.rounds_opened = 0
-        self.center_seeded = False
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -173,8 +172,8 @@ class Coordinator:
 
     # ------------------------------------------------------------------ membership
     def join(self, *, job_id: str, index: int, workers: int, algorithm: str, num_groups: int,
-             now: float) -> tuple[NodeState, bool]:
-        """Admit a node. Returns its state and whether it seeds the EASGD center."""
+             now: float) -> NodeState:
+        """Admit a node (or raise CoordinatorError, changing nothing)."""
         if job_id != self.job_id:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"job id '{job_id}' does not match the server's '{self.job_id}'")
@@ -191,18 +190,16 @@ class Coordinator:
         if old is not None and old.alive and not old.left:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"node {index} is already in the job; each node index runs once")
-        if self.finished:
-            raise CoordinatorError("FAILED_PRECONDITION", "the job has finished")
+        if self.round is not None and self.round.kind == RoundKind.FINAL:
+            raise CoordinatorError("FAILED_PRECONDITION", "the job is finishing; no node can join")
         session = self.rng.getrandbits(63) | 1
         node = NodeState(index, session, workers, joined_at=now, last_seen=now,
                          last_round_seen=self.round.id if self.round else 0)
         self.nodes[index] = node
-        seed = not self.center_seeded
-        self.center_seeded = True
         if len(self.live_nodes) == self.num_groups:
             self.started = True
         log.info("node %d joined (%d/%d live)", index, len(self.live_nodes), self.num_groups)
-        return node, seed
+        return node
 
     def heartbeat(self, index: int, session: int, now: float) -> None:
         self._node(index, session, now)

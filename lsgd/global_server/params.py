@@ -58,22 +58,27 @@ class ParamStore:
         self.param_count: int | None = None
         self.buffers: dict[str, np.ndarray] = {}
         self.center_ready = False
+        self._seeding = False
         self.exchange: Exchange | None = None
         self._cond = threading.Condition()
 
-    def set_param_count(self, count: int) -> None:
-        """Fix the model size at the first join; later joins must match."""
+    def check_param_count(self, count: int) -> None:
+        """Raise ParamError unless a node with ``count`` parameters may join."""
         if count < 1:
             raise ParamError("INVALID_ARGUMENT", f"param_count must be >= 1, got {count}")
+        if self.param_count is not None and count != self.param_count:
+            raise ParamError("FAILED_PRECONDITION",
+                             f"this node's model has {count} parameters but the job's has "
+                             f"{self.param_count}; every node must run the same model")
+
+    def set_param_count(self, count: int) -> None:
+        """Fix the model size at the first admitted join; later joins must match."""
         with self._cond:
+            self.check_param_count(count)
             if self.param_count is None:
                 self.param_count = count
                 for name in (LEADER, CENTER, SUM):
                     self.buffers[name] = np.zeros(count, dtype=np.float32)
-            elif count != self.param_count:
-                raise ParamError("FAILED_PRECONDITION",
-                                 f"this node's model has {count} parameters but the job's has "
-                                 f"{self.param_count}; every node must run the same model")
 
     # ------------------------------------------------------------------ exchange
     def begin(self, round_id: int, kind: RoundKind, leader_node: int | None,
@@ -131,8 +136,13 @@ class ParamStore:
                                  f"upload of {param_count} parameters; the job's model has "
                                  f"{self.param_count}")
             if buffer == CENTER and round_id == 0:
-                if self.center_ready:
+                # One seed upload at a time; if it breaks, the next one may seed.
+                end = self.clock() + 60.0
+                while self._seeding and not self.center_ready and self.clock() < end:
+                    self._cond.wait(0.2)
+                if self.center_ready or self._seeding:
                     raise ParamError("ALREADY_EXISTS", "the center is already seeded")
+                self._seeding = True
                 ex = None
             else:
                 ex = self.exchange
@@ -150,6 +160,9 @@ class ParamStore:
             self._receive(target, chunks, add=(buffer == SUM), exchange=ex)
         except Exception as exc:
             with self._cond:
+                if ex is None:
+                    self._seeding = False
+                    self._cond.notify_all()
                 if ex is not None:
                     ex.in_flight.discard((node, buffer))
                     if not ex.settled:
@@ -160,7 +173,7 @@ class ParamStore:
             raise
         with self._cond:
             if ex is None:
-                self.center_ready = True
+                self.center_ready, self._seeding = True, False
             else:
                 ex.in_flight.discard((node, buffer))
                 if buffer == SUM:

@@ -104,12 +104,16 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         ready.send(("ready", port))
     coord = servicer.coord
     t0 = time.monotonic()
+    parent = os.getppid()
     try:
         while not stop.wait(0.1):
             servicer.tick()
             with servicer.cond:
-                if coord.all_gone and (coord.finished or coord.started):
+                if coord.all_gone:
                     break
+            if ready is not None and os.getppid() != parent:
+                log.error("node 0 (which started this server) exited; stopping")
+                break
                 if not coord.nodes and time.monotonic() - t0 > config.join_timeout:
                     log.error("no node joined within %g s", config.join_timeout)
                     break

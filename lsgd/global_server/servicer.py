@@ -101,12 +101,15 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         def join() -> pb.JoinResponse:
             self._check(request.node)
-            self.params.set_param_count(request.param_count)
-            node, seed = self.coord.join(
+            self.params.check_param_count(request.param_count)
+            node = self.coord.join(
                 job_id=request.node.job_id, index=request.node.node_index,
                 workers=request.num_workers, algorithm=request.algorithm,
                 num_groups=request.num_groups, now=self.clock())
-            return pb.JoinResponse(session=node.session, seed_center=seed, counter=self.coord.done)
+            self.params.set_param_count(request.param_count)
+            # Every node offers its initial parameters until one upload has succeeded.
+            return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,
+                                   counter=self.coord.done)
 
         return self._call(context, join)
 

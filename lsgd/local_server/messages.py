@@ -38,6 +38,14 @@ class Ask:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """Still working through its credits; ``consumed`` steps since the last report."""
+
+    local: int
+    consumed: int
+
+
+@dataclass(frozen=True)
 class Bye:
     """The training loop ended on its own; ``consumed`` steps were not reported yet."""
 

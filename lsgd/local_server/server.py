@@ -89,6 +89,9 @@ class LocalServer:
         self.multi_node = config.num_groups > 1
         self.mp = mp.get_context("spawn")
         self.inbox = self.mp.Queue()
+        self.beat = self.mp.Value("d", time.time(), lock=False)  # workers watch our loop run
+        self.stopping = False  # the job is over: workers leaving is expected
+        self.round_due: CreditAnswer | None = None
         self.workers: list[WorkerState] = []
         self.store: NodeStore | None = None
         self.client = GlobalClient(address, config.job_id, config.node_index, config.round_timeout)
@@ -140,7 +143,7 @@ class LocalServer:
     def _start_workers(self) -> None:
         for i in range(self.cfg.workers):
             replies = self.mp.Queue()
-            ctx = WorkerContext(self.cfg, i, self.inbox, replies, os.getpid())
+            ctx = WorkerContext(self.cfg, i, self.inbox, replies, os.getpid(), self.beat)
             proc = self.mp.Process(target=worker_main, args=(ctx, self.log_level),
                                    name=f"lsgd-worker-{self.cfg.worker_id(i)}", daemon=True)
             proc.start()
@@ -195,10 +198,12 @@ class LocalServer:
         if w.gone:
             return
         w.gone = True
-        w.error = why
         if w.outstanding and not w.released:
             self.report.released += w.outstanding
         w.outstanding = 0
+        if self.stopping:
+            return
+        w.error = why
         log.warning("worker %d left the job: %s", w.worker_id, why)
 
     def _check_workers(self) -> None:
@@ -213,13 +218,14 @@ class LocalServer:
                 self.report.released += w.outstanding
                 w.outstanding = 0
                 w.released = True
-        if not self._live():
+        if not self._live() and not self.stopping:
             errors = [w.error for w in self.workers if w.error]
             raise NodeError(f"no worker left on this node; first error: {errors[0] if errors else '?'}")
         if self.heartbeat is not None and self.heartbeat.fatal:
             raise NodeError(self.heartbeat.fatal)
 
     def _recv(self, timeout: float = POLL) -> object | None:
+        self.beat.value = time.time()
         try:
             msg = self.inbox.get(timeout=timeout)
         except queue.Empty:
@@ -231,13 +237,19 @@ class LocalServer:
             w.absent = False
             log.info("worker %d is back", w.worker_id)
         if isinstance(msg, m.Failed):
-            log.error("worker %d failed: %s\n%s", w.worker_id, msg.error, msg.trace.rstrip())
+            if msg.trace:
+                log.error("worker %d failed: %s\n%s", w.worker_id, msg.error, msg.trace.rstrip())
+            else:
+                log.error("worker %d failed: %s", w.worker_id, msg.error)
             self._gone(w, msg.error)
             self._check_workers()
             return None
+        if isinstance(msg, m.Progress):
+            self._account(w, msg.consumed)
+            return None
         if isinstance(msg, m.Bye):
             self._account(w, msg.consumed)
-            self._gone(w, "its training loop ended")
+            self._gone(w, "the job is over" if self.stopping else "its training loop ended")
             self._check_workers()
             return None
         return msg
@@ -277,6 +289,9 @@ class LocalServer:
         resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
                                 algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
                                 connect_timeout=self.cfg.connect_timeout)
+        self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
+                                   give_up=max(2 * self.cfg.node_timeout, 10.0))
+        self.heartbeat.start()
         ready: set[int] = set()
         while len(ready) < len(self._live()):
             if time.monotonic() > end:
@@ -296,10 +311,8 @@ class LocalServer:
                 except grpc.RpcError as exc:
                     if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                         raise
-            self.client.pull(CENTER, self.store.buffer(CENTER), round_id=0)
-        self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
-                                   give_up=max(2 * self.cfg.node_timeout, 10.0))
-        self.heartbeat.start()
+            if not self._pull(CENTER, CENTER, 0):
+                raise NodeError("could not download the initial EASGD center")
         log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,
                  self.cfg.job_id, len(ready), param_count)
 
@@ -314,6 +327,11 @@ class LocalServer:
             msg = self._recv()
             if msg is not None:
                 self._dispatch(msg)
+            elif not self.pending and (self.report.released or self.report.late):
+                # Nobody waits here, but released credits may be what the job waits for.
+                answer = self._acquire(want=0)
+                if answer.round_id > self.last_round_seen:
+                    self.round_due = answer
 
     def _dispatch(self, msg: object) -> None:
         w = self.workers[msg.local]
@@ -330,6 +348,9 @@ class LocalServer:
 
     def _serve_pending(self) -> CreditAnswer | None:
         """Give credits to waiting workers; returns a round to run, if the server announced one."""
+        if self.round_due is not None:
+            answer, self.round_due = self.round_due, None
+            return answer
         while self.pending:
             w = self.workers[self.pending[0]]
             if w.gone:
@@ -405,7 +426,10 @@ class LocalServer:
             self._push(SUM, SUM, rid, summands=len(joins))
         dones = self._collect_dones(rid, set(joins))
         if center and answer and not answer.missed:
-            self._pull(CENTER, CENTER, rid)
+            if len(dones) == len(joins):
+                self._pull(CENTER, CENTER, rid)
+            else:  # a late worker may still read the old center: keep it one more round
+                log.warning("round %d: keeping the old center until late workers finish", rid)
         now = round(time.monotonic() - self.t0, 4)
         self.metrics.rows([{
             "round": rid, "kind": kind.name.lower(), "iteration": ans.round_iteration, "time_s": now,
@@ -488,9 +512,13 @@ class LocalServer:
             return False
 
     def _pull(self, name: str, kind: str, rid: int) -> bool:
+        """Download ``kind`` into buffer ``name``; a broken download leaves ``name`` untouched."""
         assert self.store is not None
         try:
-            self.client.pull(kind, self.store.buffer(name), rid)
+            # Stage in the sum buffer (free at this point of every round), copy when complete.
+            self.client.pull(kind, self.store.buffer(SUM), rid)
+            if name != SUM:
+                ops.copy_(self.store.buffer(name), self.store.buffer(SUM))
             return True
         except (grpc.RpcError, ValueError) as exc:
             details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -516,18 +544,36 @@ class LocalServer:
             self.summary["participants"] = answer.participants
         if self.cfg.node_index == 0 and answer and not answer.missed and joins:
             evaluate: list[str] = []
+            # Downloads stage in the sum buffer, so the average (which lands there) comes last.
             if answer.leader and self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid):
                 evaluate.append(GLOBAL_LEADER)
-            if self._pull(SUM, "average", rid):
-                evaluate.append(SUM)
             if self.rule.exchange == Exchange.CENTER and self._pull(CENTER, CENTER, 0):
                 evaluate.append(CENTER)
+            if self._pull(SUM, "average", rid):
+                evaluate.append(SUM)
             self.summary["evaluation"] = self._evaluate(min(joins), tuple(evaluate))
-        for w in self._live():
-            self._send(w, m.Stop("job finished"))
+        self._stop_workers()
         r, self.report = self.report, Report()
         self.summary["counter"] = self.client.leave(r.consumed, r.late)
         return True
+
+    def _stop_workers(self) -> None:
+        """Send Stop and collect the last reports (steps of late workers count too)."""
+        self.stopping = True
+        for w in self._live():
+            self._send(w, m.Stop("job finished"))
+        end = time.monotonic() + STOP_GRACE
+        while time.monotonic() < end and any(w.proc.is_alive() for w in self._live()):
+            msg = self._recv()
+            if isinstance(msg, (m.Ask, m.Join)):
+                self._account(self.workers[msg.local], msg.consumed)
+                self._send(self.workers[msg.local], m.Stop("job finished"))
+        for _ in range(10 * len(self.workers) + 10):  # what is still queued
+            msg = self._recv(timeout=0.01)
+            if isinstance(msg, (m.Ask, m.Join)):
+                self._account(self.workers[msg.local], msg.consumed)
+            elif msg is None and self.inbox.empty():
+                break
 
     def _evaluate(self, local: int, buffers: tuple[str, ...]) -> dict:
         names = {GLOBAL_LEADER: "leader", SUM: "average", CENTER: "center"}

@@ -49,6 +49,7 @@ class WorkerContext:
     inbox: Any  # multiprocessing queue to the local server
     replies: Any  # this worker's reply queue
     parent_pid: int
+    beat: Any  # shared double: the local server's loop writes time.time() into it as it runs
 
 
 class Worker:
@@ -69,8 +70,12 @@ class Worker:
         self._store: NodeStore | None = None
         self._proximal: list[tuple[str, float]] = []
         self._stopped = False
-        # A reply wait is bounded: a round takes at most a few round timeouts.
-        self._reply_timeout = 4 * ctx.config.round_timeout + 60.0
+        # A reply wait lasts while the local server is alive and its loop keeps running; its
+        # longest blocking call (a round barrier or the first connection) is bounded by these.
+        self._stale_after = max(ctx.config.round_timeout, ctx.config.connect_timeout) + 30.0
+        # Tell the local server we are alive while we work through long credit shares.
+        self._progress_every = min(1.0, ctx.config.round_timeout / 4)
+        self._last_sent = time.monotonic()
 
     # ------------------------------------------------------------------ public API
     def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None) -> None:
@@ -113,12 +118,15 @@ class Worker:
             self._proximal_step()
         self._credits -= 1
         if self._credits > 0:
+            now = time.monotonic()
+            if now - self._last_sent > self._progress_every:
+                self._send(m.Progress(self.local_index, self._take_unreported()))
             return True
         return self._refill(m.Ask(self.local_index, self._take_unreported()))
 
     def close(self) -> None:
         """Report the last steps and detach from shared memory (safe to call twice)."""
-        if self._params is not None and not self._stopped:
+        if self._params is not None and (self._unreported or not self._stopped):
             self._send(m.Bye(self.local_index, self._take_unreported()))
             self._stopped = True
         if self._store is not None:
@@ -131,19 +139,20 @@ class Worker:
         return n
 
     def _send(self, msg: object) -> None:
+        self._last_sent = time.monotonic()
         self._ctx.inbox.put(msg)
 
     def _get(self) -> object:
-        end = time.monotonic() + self._reply_timeout
         while True:
             try:
                 msg = self._ctx.replies.get(timeout=POLL)
             except queue.Empty:
                 if os.getppid() != self._ctx.parent_pid:
                     raise LocalServerGone("the local server exited") from None
-                if time.monotonic() > end:
+                silent = time.time() - self._ctx.beat.value
+                if silent > self._stale_after:
                     raise LocalServerGone(
-                        f"no answer from the local server in {self._reply_timeout:g} s") from None
+                        f"the local server has not run its loop for {silent:.0f} s") from None
                 continue
             if isinstance(msg, m.Stop):
                 self._stopped = True

@@ -41,7 +41,12 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
                                "%(levelname)s %(message)s")
     worker = Worker(ctx)
     try:
-        load_entry(ctx.config.entry)(worker)
+        entry = load_entry(ctx.config.entry)
+    except ValueError as exc:  # a configuration error: one line, no traceback
+        ctx.inbox.put(m.Failed(ctx.local_index, str(exc)))
+        sys.exit(1)
+    try:
+        entry(worker)
         worker.close()
     except LocalServerGone as exc:
         log.error("%s; exiting", exc)
