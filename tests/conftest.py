@@ -32,23 +32,49 @@ def pid_alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
+def session_pids(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (each node runs in a session of its own)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+        if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 class Node:
     """One `bash train.sh <i>` process with its environment."""
 
-    def __init__(self, index: int, env: dict[str, str], run_dir: Path) -> None:
+    def __init__(self, index: int, env: dict[str, str], run_dir: Path,
+                 ignore_sigint: bool = False) -> None:
         self.index, self.run_dir, self.env = index, run_dir, env
         self.log = run_dir / f"node{index}.log"
         run_dir.mkdir(parents=True, exist_ok=True)
         self._logf = self.log.open("w")
         self.proc = subprocess.Popen(["bash", str(REPO / "train.sh"), str(index)], env=env,
                                      stdout=self._logf, stderr=subprocess.STDOUT, cwd=run_dir,
-                                     start_new_session=True)
+                                     start_new_session=True,
+                                     preexec_fn=_ignore_sigint if ignore_sigint else None)
 
     def wait(self, timeout: float) -> int:
         try:
             return self.proc.wait(timeout)
         finally:
             self._logf.flush()
+
+    def wait_session_gone(self, timeout: float) -> list[int]:
+        """Wait until no process of this node's session is left; returns the survivors."""
+        end = time.monotonic() + timeout
+        while (left := session_pids(self.proc.pid)) and time.monotonic() < end:
+            time.sleep(0.1)
+        return left
 
     def kill_group(self) -> None:
         try:
@@ -75,14 +101,14 @@ def cluster(tmp_path, request):
     nodes: list[Node] = []
     job_id = "t" + uuid.uuid4().hex[:12]
 
-    def start(index: int, **knobs: object) -> Node:
+    def start(index: int, _ignore_sigint: bool = False, **knobs: object) -> Node:
         env = dict(os.environ)
         env.update({k: str(v) for k, v in knobs.items()})
         env.setdefault("RUN_DIR", str(tmp_path / "run"))
         env["JOB_ID"] = job_id
         env["PYTHON"] = sys.executable
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
-        node = Node(index, env, tmp_path)
+        node = Node(index, env, tmp_path, ignore_sigint=_ignore_sigint)
         nodes.append(node)
         return node
 
@@ -103,7 +129,7 @@ def cluster(tmp_path, request):
     start.job_id = job_id
     yield start
     for node in nodes:
-        if node.proc.poll() is None:
+        if node.proc.poll() is None or node.wait_session_gone(10):
             node.kill_group()
             node.proc.wait(10)
     end = time.monotonic() + 10  # orphaned workers of a killed node exit within ~1 s

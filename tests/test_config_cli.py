@@ -45,6 +45,14 @@ def test_bad_config_one_clear_line(tmp_path, env, expected):
     assert "Traceback" not in res.stderr + res.stdout
 
 
+def test_unusable_run_dir_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    res = run_train(tmp_path, ("RUN_DIR", str(tmp_path / "afile" / "x")))
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"lsgd: error: cannot create run directory {tmp_path / 'afile' / 'x'}: Not a directory"]
+
+
 def test_missing_node_index_prints_usage(tmp_path):
     res = run_train(tmp_path, args=())
     assert res.returncode == 2 and "usage: bash train.sh <node-index>" in res.stderr

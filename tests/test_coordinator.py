@@ -212,3 +212,13 @@ def test_leave_and_all_gone():
     g = acq(c, s, 0).grant
     c.leave(0, s[0], consumed=g, late=0, now=1)
     assert c.done == g and c.all_gone
+
+
+def test_no_join_while_the_final_round_is_open():
+    c = make(num_groups=2, workers=1, l_comm=1, g_comm=1, iters=2)
+    s = join_all(c, 2)
+    rnd, _ = drain(c, s, [0, 1])
+    assert rnd.kind == RoundKind.FINAL
+    c.tick(now=100)  # both nodes silent: dropped
+    with pytest.raises(CoordinatorError, match="finishing"):
+        c.join(job_id="j", index=1, workers=1, algorithm="lsgd", num_groups=2, now=100)

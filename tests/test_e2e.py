@@ -29,6 +29,8 @@ def assert_clean_exit(run_dir, nodes) -> None:
     while any(pid_alive(p) for p in pids) and time.monotonic() < end:
         time.sleep(0.05)
     assert not [p for p in pids if pid_alive(p)], "a process of the job survived"
+    for node in nodes:  # nothing else of the node's session either (resource tracker, ...)
+        assert not node.wait_session_gone(5), "a process of the node's session survived"
 
 
 def counter_check(run_dir, nodes) -> tuple[int, int]:
@@ -89,6 +91,69 @@ def test_stuck_worker_is_left_out_of_rounds_and_the_rest_go_on(cluster):
     assert_clean_exit(cluster.run_dir, [node])
 
 
+def step_calls(count_dir) -> int:
+    """Steps the workers really took (each toyjob worker writes its count at the end)."""
+    return sum(int(p.read_text()) for p in count_dir.glob("*.count"))
+
+
+@pytest.mark.timeout(120)
+def test_slow_but_healthy_workers_are_not_taken_for_stuck(cluster, tmp_path):
+    # 30 ms steps, 64-step shares: ~2 s of silence per share > ROUND_TIMEOUT=1 s
+    node = cluster(0, PORT=0, ITERATIONS=640, ROUND_TIMEOUT=1, TOYJOB_STEP_SECONDS="0.03",
+                   TOYJOB_COUNT_DIR=tmp_path, **TOY)
+    assert node.wait(90) == 0, node.output
+    assert "releasing" not in node.output and "missed" not in node.output
+    rows = (cluster.run_dir / "node0" / "metrics.csv").read_text().splitlines()[1:]
+    by_round: dict[str, list[str]] = {}
+    for r in rows:
+        f = r.split(",")
+        by_round.setdefault(f[0], []).append(f)
+    for rnd in by_round.values():  # each round falls exactly on its boundary of the global total
+        assert sum(int(f[5]) for f in rnd) == int(rnd[0][2])
+    assert global_summary(cluster.run_dir)["counter"] == step_calls(tmp_path) == 640
+
+
+@pytest.mark.timeout(120)
+def test_steps_of_a_late_worker_are_counted_once(cluster, tmp_path):
+    # worker 1 stalls 3 s (> ROUND_TIMEOUT): its credits are released, it misses rounds, then
+    # comes back; every step it took, before or after, is in the counter exactly once
+    node = cluster(0, PORT=0, ITERATIONS=3000, ROUND_TIMEOUT=1, TOYJOB_STALL="1:100:3",
+                   TOYJOB_STEP_SECONDS="0.0005", TOYJOB_COUNT_DIR=tmp_path, **TOY)
+    assert node.wait(90) == 0, node.output
+    assert "releasing them" in node.output and "is back" in node.output
+    assert global_summary(cluster.run_dir)["counter"] == step_calls(tmp_path)
+    assert sum(node.summary()["workers"].values()) == step_calls(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_node_whose_only_worker_is_stuck_does_not_stall_the_job(cluster):
+    knobs = dict(NUM_GROUPS=2, WORKERS=1, ROUND_TIMEOUT=1, ITERATIONS=2000, **TOY)
+    n0 = cluster(0, PORT=0, TOYJOB_STALL="0:50", **knobs)
+    n1 = cluster(1, PORT=cluster.port_of_node0(), **knobs)
+    assert n1.wait(90) == 0, n1.output
+    assert n0.wait(30) == 0, n0.output
+    assert "releasing them" in n0.output
+    assert global_summary(cluster.run_dir)["counter"] >= 2000
+
+
+@pytest.mark.timeout(60)
+def test_global_server_exits_when_node0_is_killed(cluster):
+    import socket
+
+    node = cluster(0, PORT=0, ITERATIONS=10**9, TOYJOB_STEP_SECONDS="0.001", **TOY)
+    port = cluster.port_of_node0()
+    node.proc.send_signal(signal.SIGKILL)
+    end = time.monotonic() + 15
+    while time.monotonic() < end:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                break
+        time.sleep(0.2)
+    else:
+        raise AssertionError("the global server kept listening after node 0 died")
+    assert not node.wait_session_gone(10), "orphaned workers or server survived node 0"
+
+
 @pytest.mark.timeout(120)
 def test_dead_node_is_dropped_and_the_job_finishes(cluster):
     knobs = dict(NUM_GROUPS=2, NODE_TIMEOUT=2, ROUND_TIMEOUT=5, ITERATIONS=6000,
@@ -104,8 +169,8 @@ def test_dead_node_is_dropped_and_the_job_finishes(cluster):
     assert "node 1 dropped" in n0.output
     assert global_summary(cluster.run_dir)["counter"] == 6000
     # node 1's workers notice their local server is gone and exit; the segment is reclaimed
-    pids = [global_summary(cluster.run_dir)["pid"]] + n0.summary()["pids"]
-    assert not [p for p in pids if pid_alive(p)]
+    assert not n1.wait_session_gone(10), "node 1's workers survived their local server"
+    assert_clean_exit(cluster.run_dir, [n0])
     end = time.monotonic() + 10
     while shm_segments(cluster.job_id) and time.monotonic() < end:
         time.sleep(0.1)
@@ -113,9 +178,12 @@ def test_dead_node_is_dropped_and_the_job_finishes(cluster):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
-def test_signal_stops_everything_and_removes_shared_memory(cluster, sig):
-    node = cluster(0, PORT=0, ITERATIONS=10**9, TOYJOB_STEP_SECONDS="0.001", **TOY)
+@pytest.mark.parametrize("sig, inherited_ignore", [(signal.SIGINT, False), (signal.SIGINT, True),
+                                                   (signal.SIGTERM, False)])
+def test_signal_stops_everything_and_removes_shared_memory(cluster, sig, inherited_ignore):
+    # inherited_ignore: started like `cmd &` from a script, which ignores SIGINT
+    node = cluster(0, PORT=0, ITERATIONS=10**9, TOYJOB_STEP_SECONDS="0.001",
+                   _ignore_sigint=inherited_ignore, **TOY)
     metrics = cluster.run_dir / "node0" / "metrics.csv"
     end = time.monotonic() + 30
     while time.monotonic() < end and len(metrics.read_text().splitlines() if metrics.exists() else []) < 3:

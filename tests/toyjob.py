@@ -1,7 +1,9 @@
 """A tiny numpy worker job for tests: noisy gradient descent on a quadratic.
 
 Fault knobs (environment): TOYJOB_DIE="<worker>:<step>" SIGKILLs that worker at that step,
-TOYJOB_STALL="<worker>:<step>" makes it sleep 600 s there, TOYJOB_STEP_SECONDS slows each step.
+TOYJOB_STALL="<worker>:<step>[:<seconds>]" makes it sleep there (600 s by default),
+TOYJOB_STEP_SECONDS slows each step. With TOYJOB_COUNT_DIR set, each worker writes how many
+times it called ``worker.step`` to ``<dir>/<worker_id>.count`` when its loop ends.
 """
 
 import os
@@ -13,7 +15,7 @@ import numpy as np
 
 def _fault(name):
     spec = os.environ.get(name, "")
-    return tuple(int(v) for v in spec.split(":")) if spec else (-1, -1)
+    return tuple(float(v) for v in spec.split(":")) if spec else (-1, -1)
 
 
 def main(worker):
@@ -29,11 +31,15 @@ def main(worker):
         step += 1
         if (worker.worker_id, step) == die:
             os.kill(os.getpid(), signal.SIGKILL)
-        if (worker.worker_id, step) == stall:
-            time.sleep(600)
+        if (worker.worker_id, step) == stall[:2]:
+            time.sleep(stall[2] if len(stall) > 2 else 600)
         noise = rng.normal(0, 0.1, x.size).astype(np.float32)
         x -= np.float32(cfg.lr) * (x - target + noise)
         if delay:
             time.sleep(delay)
         if not worker.step(float(np.mean((x - target) ** 2))):
             break
+    count_dir = os.environ.get("TOYJOB_COUNT_DIR")
+    if count_dir:
+        with open(os.path.join(count_dir, f"{worker.worker_id}.count"), "w") as f:
+            f.write(str(step))

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 POLL = 0.05  # seconds between liveness checks while waiting for messages
 START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
 STOP_GRACE = 5.0  # seconds workers get to exit after Stop before they are terminated
+IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is waiting
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
 
 
@@ -92,6 +93,7 @@ class LocalServer:
         self.beat = self.mp.Value("d", time.time(), lock=False)  # workers watch our loop run
         self.stopping = False  # the job is over: workers leaving is expected
         self.round_due: CreditAnswer | None = None
+        self.last_acquire = time.monotonic()
         self.workers: list[WorkerState] = []
         self.store: NodeStore | None = None
         self.client = GlobalClient(address, config.job_id, config.node_index, config.round_timeout)
@@ -155,7 +157,7 @@ class LocalServer:
         for w in self.workers:
             if w.proc.is_alive():
                 self._send(w, m.Stop("node shutting down"))
-        end = time.monotonic() + STOP_GRACE
+        end = time.monotonic() + (0.5 if self.stopping else STOP_GRACE)  # stopping: waited already
         for w in self.workers:
             w.proc.join(max(0.0, end - time.monotonic()))
         for w in self.workers:
@@ -327,8 +329,10 @@ class LocalServer:
             msg = self._recv()
             if msg is not None:
                 self._dispatch(msg)
-            elif not self.pending and (self.report.released or self.report.late):
-                # Nobody waits here, but released credits may be what the job waits for.
+            elif not self.pending and (self.report.released or self.report.late
+                                       or time.monotonic() - self.last_acquire > IDLE_POLL):
+                # Nobody waits here (busy or stuck workers), but the job may be waiting for our
+                # released credits or for this node to take part in a round.
                 answer = self._acquire(want=0)
                 if answer.round_id > self.last_round_seen:
                     self.round_due = answer
@@ -375,6 +379,7 @@ class LocalServer:
 
     def _acquire(self, want: int) -> CreditAnswer:
         r, self.report = self.report, Report()
+        self.last_acquire = time.monotonic()
         try:
             # Long-poll only when no worker here holds credits: then only other nodes can
             # move the job forward. Otherwise our own workers' next reports will.
