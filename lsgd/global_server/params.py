@@ -89,7 +89,10 @@ class ParamStore:
             reports: node index -> participants, for every node that reported in time.
         """
         expected: set[tuple[int, str]] = set()
-        if leader_node is not None and (kind == RoundKind.FINAL or self.rule.exchange == ExchangeKind.LEADER):
+        # The leader's upload serves the other nodes: with a single node in the round it stays
+        # home (except at the end, when the final leader is kept for evaluation).
+        if leader_node is not None and (kind == RoundKind.FINAL or (
+                self.rule.exchange == ExchangeKind.LEADER and len(reports) > 1)):
             expected.add((leader_node, LEADER))
         if kind == RoundKind.FINAL or self.rule.exchange == ExchangeKind.CENTER:
             expected |= {(n, SUM) for n, p in reports.items() if p > 0}

@@ -418,7 +418,7 @@ class LocalServer:
             lead = answer.leader.worker_id
             if answer.leader_node == self.cfg.node_index:
                 ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[lead]))
-                global_leader, upload = lead, True
+                global_leader, upload = lead, len(answer.nodes) > 1  # see ParamStore.begin
             elif self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid):
                 global_leader = lead
         for i in joins:

@@ -1,0 +1,104 @@
+"""Run the benchmarks: ``python -m bench [--quick] [--only NAME ...]``.
+
+Targets (issue 3): 1 control plane, 2 global server scale, 3 parameter plane, 4 pulls,
+5 training throughput, 6 time to accuracy. Each prints its measured value, the baseline
+measured in the same run, and their ratio. Results go to ``bench/results.json`` and to the
+results block of ``docs/benchmarks.md`` (the rest of that file is written by hand).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+import time
+import traceback
+
+from .common import REPO, Result, machine
+
+BENCHES = {
+    "control": ("bench.control", "run"),
+    "scale": ("bench.scale", "run"),
+    "params": ("bench.params", "run"),
+    "pulls": ("bench.pulls", "run"),
+    "throughput": ("bench.throughput", "run_throughput"),
+    "accuracy": ("bench.throughput", "run_accuracy"),
+}
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+
+
+def _fmt(v: float | None, unit: str = "") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "–"
+    text = f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return f"{text} {unit}".strip()
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| target | measured | value | baseline (same run) | ratio | goal | met |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        base = f"{_fmt(r.baseline, r.unit)} ({r.baseline_name})" if r.baseline is not None else "–"
+        ratio = f"{_fmt(r.ratio)}x ({r.ratio_note})" if r.ratio is not None else "–"
+        met = {True: "yes", False: "**no**", None: "–"}[r.met]
+        lines.append(f"| {r.target} | {r.metric} | {_fmt(r.value, r.unit)} | {base} | {ratio} | "
+                     f"{r.goal or '–'} | {met} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="short runs (under 2 minutes)")
+    parser.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="run only these")
+    parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
+    args = parser.parse_args(argv)
+    names = args.only or list(BENCHES)
+    results: list[Result] = []
+    failed: list[str] = []
+    t0 = time.monotonic()
+    for name in names:
+        module, func = BENCHES[name]
+        started = time.monotonic()
+        print(f"== {name} ...", flush=True)
+        try:
+            fn = getattr(importlib.import_module(module), func)
+            kwargs = {"plot": REPO / "docs" / "time_to_accuracy.png"} if name == "accuracy" else {}
+            got = fn(args.quick, **kwargs)
+        except Exception:  # report and go on with the other benchmarks
+            traceback.print_exc()
+            failed.append(name)
+            continue
+        results += got
+        print(table(got), f"\n({time.monotonic() - started:.0f} s)", flush=True)
+    info = machine()
+    command = "python -m bench" + (" --quick" if args.quick else "") + (
+        f" --only {' '.join(args.only)}" if args.only else "")
+    payload = {"machine": info, "command": command, "seconds": round(time.monotonic() - t0, 1),
+               "results": [r.to_dict() for r in results], "failed": failed}
+    (REPO / "bench" / "results.json").write_text(json.dumps(payload, indent=2, default=str))
+    print("\n" + table(results))
+    if not args.no_docs:
+        _update_docs(table(results), info, command, payload["seconds"])
+    if failed:
+        print(f"benchmarks that failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _update_docs(tbl: str, info: dict, command: str, seconds: float) -> None:
+    path = REPO / "docs" / "benchmarks.md"
+    text = path.read_text() if path.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
+    block = (f"{START}\nCommand: `{command}` ({seconds:.0f} s), {info['date']}.\n"
+             f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; "
+             f"Python {info['python']}, numpy {info['numpy']}, grpcio {info['grpcio']}.\n\n"
+             f"{tbl}\n{END}")
+    if START in text and END in text:
+        text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
+    else:
+        text += "\n" + block + "\n"
+    path.write_text(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""Worker functions the benchmarks run through ``train.sh`` (``ENTRY=bench.jobs:<name>``).
+
+Each writes what it measured to ``$RUN_DIR/<name>-<worker_id>.*`` when its loop ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _out(worker, name: str) -> Path:
+    return Path(worker.config.run_dir) / f"{name}-{worker.worker_id}"
+
+
+def step_timer(worker) -> None:
+    """No training at all: time every ``worker.step`` call (the control plane's worst case)."""
+    x = np.zeros(1000, np.float32)
+    worker.register([x])
+    cap = int(os.environ.get("BENCH_MAX_STEPS", "2000000"))
+    ns = np.zeros(cap, np.int64)
+    clock = time.perf_counter_ns
+    n = 0
+    while n < cap:
+        t0 = clock()
+        keep = worker.step(0.5)
+        ns[n] = clock() - t0
+        n += 1
+        if not keep:
+            break
+    np.save(f"{_out(worker, 'step_ns')}.npy", ns[:n])
+
+
+def mlp(worker) -> None:
+    """The medium workload (``bench.workload``) with timestamps and periodic test accuracy."""
+    from .workload import NumpyMLP, make_data
+
+    cfg = worker.config
+    model = NumpyMLP(seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum)
+    x, y = make_data(20000, seed=1)
+    xt, yt = make_data(500, seed=99)
+    eval_every = int(os.environ.get("BENCH_EVAL_EVERY", "0"))
+    worker.register(model.params, evaluate=lambda: {"accuracy": model.accuracy(xt, yt)})
+    rng = np.random.default_rng([cfg.seed, worker.worker_id])
+    curve, steps, first = [], 0, None
+    while True:
+        idx = rng.integers(0, len(x), cfg.batch_size)
+        loss = model.step(x[idx], y[idx])
+        steps += 1
+        if first is None:
+            first = time.time()
+        if eval_every and steps % eval_every == 0:
+            curve.append((time.time(), steps, model.accuracy(xt, yt)))
+        if not worker.step(loss):
+            break
+    last = time.time()
+    _out(worker, "mlp").with_suffix(".json").write_text(json.dumps(
+        {"steps": steps, "first": first, "last": last, "batch": cfg.batch_size, "curve": curve}))

@@ -1,0 +1,203 @@
+"""Targets 5 and 6: training throughput and time to accuracy on the medium workload.
+
+Workload: ``bench.workload`` (2.1M-parameter numpy MLP, ~10 ms per step on one core, batch 64).
+Baseline, measured in the same run: the same training loop alone in one process, without lsgd.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .common import REPO, Result, cpu_seconds, lsgd_env, read_json, run_node
+
+BATCH = 64
+
+
+def _plain_loop(seconds: float, eval_every: int, out) -> None:
+    """The workload alone, no lsgd: (steps, seconds, curve)."""
+    from .workload import NumpyMLP, make_data
+
+    model = NumpyMLP(seed=0, lr=0.05, momentum=0.9)
+    x, y = make_data(20000, seed=1)
+    xt, yt = make_data(500, seed=99)
+    rng = np.random.default_rng([0, 0])
+    curve, steps = [], 0
+    t0 = time.time()
+    while time.time() - t0 < seconds:
+        idx = rng.integers(0, len(x), BATCH)
+        model.step(x[idx], y[idx])
+        steps += 1
+        if eval_every and steps % eval_every == 0:
+            curve.append((time.time(), steps, model.accuracy(xt, yt)))
+    out.put({"steps": steps, "first": t0, "last": time.time(), "curve": curve,
+             "final": model.accuracy(xt, yt)})
+
+
+def plain(seconds: float, eval_every: int = 0) -> dict:
+    ctx = mp.get_context("spawn")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    q = ctx.Queue()
+    p = ctx.Process(target=_plain_loop, args=(seconds, eval_every, q), daemon=True)
+    p.start()
+    try:
+        return q.get(timeout=seconds + 120)
+    finally:
+        p.join(10)
+
+
+def _sample_cpu(pid: int, stop: threading.Event, samples: dict[int, list[tuple[float, float]]],
+                warmup: float) -> None:
+    """Record (time, cpu seconds) of ``pid`` and its descendants every 0.25 s after ``warmup``."""
+    from .common import children
+
+    t0 = time.monotonic()
+    while not stop.wait(0.25):
+        if time.monotonic() - t0 < warmup:
+            continue
+        todo, seen = [pid], set()
+        while todo:
+            p = todo.pop()
+            if p in seen:
+                continue
+            seen.add(p)
+            try:
+                samples.setdefault(p, []).append((time.monotonic(), cpu_seconds(p)))
+                todo += children(p)
+            except (OSError, IndexError):
+                pass
+
+
+def lsgd_run(workers: int, seconds: float, run_dir: Path, algorithm: str = "lsgd",
+             eval_every: int = 0) -> dict:
+    """Run the workload under lsgd on one node; returns per-worker records and server CPU."""
+    env = lsgd_env(ENTRY="bench.jobs:mlp", WORKERS=workers, MINUTES=seconds / 60, ITERATIONS="",
+                   PORT=0, RUN_DIR=run_dir, JOB_ID=f"benchthr{workers}{algorithm}",
+                   ALGORITHM=algorithm, BATCH_SIZE=BATCH, LR=0.05, MOMENTUM=0.9,
+                   BENCH_EVAL_EVERY=eval_every, ALPHA=min(0.1, 0.9 / workers))
+    node = run_node(0, env, timeout=seconds + 120)
+    stop, samples = threading.Event(), {}
+    sampler = threading.Thread(target=_sample_cpu, args=(node.pid, stop, samples, 4.0), daemon=True)
+    sampler.start()
+    try:
+        if node.wait(seconds + 120) != 0:
+            raise RuntimeError(f"lsgd run failed: {(run_dir / 'node0.log').read_text()[-2000:]}")
+    finally:
+        stop.set()
+        sampler.join(5)
+        if node.poll() is None:
+            node.kill()
+    records = [json.loads(p.read_text()) for p in sorted(run_dir.glob("mlp-*.json"))]
+    gpid = read_json(run_dir / "global" / "summary.json")["pid"]
+
+    def busy(pid: int) -> float:
+        s = samples.get(pid, [])
+        return (s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0]) if len(s) > 1 else float("nan")
+
+    return {"records": records, "local_cpu": busy(node.pid), "global_cpu": busy(gpid),
+            "summary": read_json(run_dir / "node0" / "summary.json")}
+
+
+def rate(records: list[dict]) -> float:
+    """Samples per second summed over workers, each over its own training time."""
+    return sum(r["steps"] * BATCH / (r["last"] - r["first"]) for r in records)
+
+
+def run_throughput(quick: bool) -> list[Result]:
+    seconds = 15.0 if quick else 30.0
+    base = plain(seconds)
+    base_rate = base["steps"] * BATCH / (base["last"] - base["first"])
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in (1, 2, 4):
+            r = lsgd_run(w, seconds, Path(tmp) / f"w{w}")
+            got = rate(r["records"])
+            servers = (r["local_cpu"] + r["global_cpu"]) * 100
+            out.append(Result(
+                "5. training throughput", f"samples/s, {w} worker(s) on one node (2 cores)", got,
+                "samples/s", baseline=base_rate, baseline_name="same loop alone, no lsgd",
+                ratio=got / base_rate, ratio_note="lsgd / baseline",
+                goal=">= 1.85x with 2 workers; servers < 5% of a core" if w == 2 else "",
+                met=(got / base_rate >= 1.85 and servers < 5) if w == 2 else None,
+                extra={"local_server_cpu_pct": r["local_cpu"] * 100,
+                       "global_server_cpu_pct": r["global_cpu"] * 100,
+                       "steps": sum(x["steps"] for x in r["records"]),
+                       "ms_per_step_baseline": 1000 * (base["last"] - base["first"]) / base["steps"]}))
+    return out
+
+
+def time_to(curve: list, target: float, t0: float) -> float | None:
+    for t, _, acc in curve:
+        if acc >= target:
+            return t - t0
+    return None
+
+
+def run_accuracy(quick: bool, plot: Path | None = None) -> list[Result]:
+    seconds = 20.0 if quick else 45.0
+    target = 0.70
+    every = 25
+    runs: dict[str, dict] = {}
+    base = plain(seconds, every)
+    runs["single-worker SGD"] = {"t0": base["first"], "curves": [base["curve"]],
+                                 "final": base["final"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for algo in ("lsgd", "easgd"):
+            r = lsgd_run(2, seconds, Path(tmp) / algo, algorithm=algo, eval_every=every)
+            ev = r["summary"].get("evaluation", {})
+            final = ev.get("leader" if algo == "lsgd" else "center", {}).get("accuracy", float("nan"))
+            runs[f"{algo.upper()} (2 workers)"] = {
+                "t0": min(x["first"] for x in r["records"]),
+                "curves": [x["curve"] for x in r["records"]], "final": final}
+    out = []
+    base_t = time_to(runs["single-worker SGD"]["curves"][0], target, runs["single-worker SGD"]["t0"])
+    for name, run in runs.items():
+        times = [t for c in run["curves"] if (t := time_to(c, target, run["t0"])) is not None]
+        t = min(times) if times else None
+        out.append(Result(
+            "6. time to accuracy", f"{name}: seconds to {target:.0%} test accuracy (best worker)",
+            t if t is not None else float("nan"), "s", baseline=base_t,
+            baseline_name="single-worker SGD", ratio=(base_t / t) if (t and base_t) else None,
+            ratio_note="baseline time / time", met=None,
+            extra={"final_accuracy": run["final"], "budget_s": seconds}))
+    if plot is not None:
+        _plot(runs, target, plot)
+    return out
+
+
+def _plot(runs: dict, target: float, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (name, run), color in zip(runs.items(), ("black", "tab:blue", "tab:orange")):
+        for i, curve in enumerate(run["curves"]):
+            if curve:
+                t = [c[0] - run["t0"] for c in curve]
+                ax.plot(t, [c[2] for c in curve], color=color, alpha=0.8 if i == 0 else 0.4,
+                        label=name if i == 0 else None)
+    ax.axhline(target, color="gray", ls=":", lw=1)
+    ax.set_xlabel("wall-clock seconds")
+    ax.set_ylabel("test accuracy (each worker)")
+    ax.set_title("Medium workload (2.1M-parameter MLP), 2-core machine")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    for r in run_throughput(quick=True) + run_accuracy(quick=True, plot=REPO / "docs" / "time_to_accuracy.png"):
+        print(r)
