@@ -46,7 +46,8 @@ def mlp(worker) -> None:
     eval_every = int(os.environ.get("BENCH_EVAL_EVERY", "0"))
     worker.register(model.params, evaluate=lambda: {"accuracy": model.accuracy(xt, yt)})
     rng = np.random.default_rng([cfg.seed, worker.worker_id])
-    curve, steps, first = [], 0, None
+    curve, steps, first, in_lsgd = [], 0, None, 0.0
+    clock = time.perf_counter
     while True:
         idx = rng.integers(0, len(x), cfg.batch_size)
         loss = model.step(x[idx], y[idx])
@@ -55,8 +56,12 @@ def mlp(worker) -> None:
             first = time.time()
         if eval_every and steps % eval_every == 0:
             curve.append((time.time(), steps, model.accuracy(xt, yt)))
-        if not worker.step(loss):
+        t = clock()
+        keep = worker.step(loss)
+        in_lsgd += clock() - t  # time the loop spent in lsgd: requests, waits, rounds, pulls
+        if not keep:
             break
     last = time.time()
     _out(worker, "mlp").with_suffix(".json").write_text(json.dumps(
-        {"steps": steps, "first": first, "last": last, "batch": cfg.batch_size, "curve": curve}))
+        {"steps": steps, "first": first, "last": last, "batch": cfg.batch_size, "curve": curve,
+         "in_lsgd_s": in_lsgd}))
