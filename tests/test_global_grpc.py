@@ -160,3 +160,18 @@ def test_easgd_exchange_over_grpc_moves_the_center(server):
     np.testing.assert_allclose(results["c0"], [0.8, 0.8, 0.8], rtol=1e-6)
     np.testing.assert_array_equal(results["c0"], results["c1"])
     assert results[0].participants == 4 and results[0].nodes == (0, 1)
+
+
+@pytest.mark.parametrize("offset, size", [(0, 0), (5, 3), (300, 200), (1 << 40, 1)])
+def test_hand_framed_chunks_match_protobuf(offset, size):
+    """The client's hand-written framing is the protobuf encoding of lsgd.proto's messages."""
+    from lsgd.local_server.global_client import _parse_chunk, _varint
+
+    data = np.arange(size, dtype=np.float32).tobytes()
+    msg = pb.ParamChunk(offset=offset, data=data).SerializeToString()
+    got_offset, start, nbytes = _parse_chunk(msg + b"\x18\x07")  # plus an unknown varint field
+    assert (got_offset, msg[start:start + nbytes]) == (offset, data)
+    inner = b"\x08" + _varint(offset) + b"\x12" + _varint(len(data))
+    framed = b"\x12" + _varint(len(inner) + len(data)) + inner + data
+    parsed = pb.PushParamsRequest.FromString(framed)
+    assert parsed.chunk.offset == offset and parsed.chunk.data == data

@@ -131,8 +131,12 @@ class ParamStore:
 
     # ------------------------------------------------------------------ uploads
     def push(self, node: int, round_id: int, buffer: str, param_count: int, summands: int,
-             chunks: Iterable[tuple[int, bytes]]) -> None:
-        """Receive an upload of ``buffer`` from ``node``; ``chunks`` yields (offset, raw bytes)."""
+             chunks: Iterable[tuple[int, bytes]], wire: str = "float32") -> None:
+        """Receive an upload of ``buffer`` from ``node``; ``chunks`` yields (offset, raw bytes).
+
+        ``wire`` is the chunks' encoding (``ops.WIRE_FORMATS``); offsets count elements.
+        """
+        dtype = _wire_dtype(wire)  # before anything is taken: a refused format changes nothing
         with self._cond:
             if self.param_count is None or param_count != self.param_count:
                 raise ParamError("INVALID_ARGUMENT",
@@ -160,7 +164,7 @@ class ParamStore:
                 ex.in_flight.add((node, buffer))
         target = self.buffers[SUM if buffer == SUM else (CENTER if buffer == CENTER else LEADER)]
         try:
-            self._receive(target, chunks, add=(buffer == SUM), exchange=ex)
+            self._receive(target, chunks, add=(buffer == SUM), exchange=ex, dtype=dtype)
         except Exception as exc:
             with self._cond:
                 if ex is None:
@@ -187,29 +191,44 @@ class ParamStore:
             self._cond.notify_all()
 
     def _receive(self, target: np.ndarray, chunks: Iterable[tuple[int, bytes]], add: bool,
-                 exchange: Exchange | None) -> None:
+                 exchange: Exchange | None, dtype: np.dtype = np.dtype("<f4")) -> None:
+        ops.steady_heap()
+        size = dtype.itemsize
+        stage: np.ndarray | None = None  # float32 staging of a converted chunk (page aligned)
         pos = 0
         for offset, data in chunks:
             if exchange is not None and exchange.settled:
                 raise ParamError("DEADLINE_EXCEEDED", f"round {exchange.round_id} settled before "
                                  "this upload finished")
-            if offset != pos or len(data) % 4 or pos + len(data) // 4 > target.size:
+            if offset != pos or len(data) % size or pos + len(data) // size > target.size:
                 raise ParamError("INVALID_ARGUMENT",
                                  f"chunk at {offset} of {len(data)} bytes does not continue at "
                                  f"{pos} of {target.size} elements")
-            src = np.frombuffer(data, dtype="<f4")
-            with self._cond if add else _NULL:
-                if add:
-                    target[pos : pos + src.size] += src
-                else:
-                    target[pos : pos + src.size] = src
-            pos += src.size
+            n = len(data) // size
+            src = np.frombuffer(data, dtype=dtype)
+            if not add:
+                np.copyto(target[pos : pos + n], src, casting="unsafe")  # decodes bfloat16
+            else:
+                if dtype != target.dtype:  # decode outside the lock
+                    if stage is None or stage.size < n:
+                        stage = ops.aligned_empty(n, target.dtype)
+                    np.copyto(stage[:n], src, casting="unsafe")
+                    src = stage[:n]
+                with self._cond:  # uploads of several nodes add into one sum
+                    target[pos : pos + n] += src
+            pos += n
         if pos != target.size:
             raise ParamError("INVALID_ARGUMENT", f"upload ended at {pos} of {target.size} elements")
 
     # ------------------------------------------------------------------ downloads
-    def pull(self, round_id: int, buffer: str, chunk: int, timeout: float) -> Iterator[tuple[int, bytes]]:
-        """Wait until ``buffer`` is ready for ``round_id`` (0: now), then yield its chunks."""
+    def pull(self, round_id: int, buffer: str, chunk: int, timeout: float,
+             wire: str = "float32") -> Iterator[tuple[int, bytes]]:
+        """Wait until ``buffer`` is ready for ``round_id`` (0: now), then yield its chunks.
+
+        Chunks are (element offset, raw bytes in the ``wire`` encoding).
+        """
+        dtype = _wire_dtype(wire)
+        ops.steady_heap()
         end = self.clock() + timeout
         with self._cond:
             while True:
@@ -224,8 +243,13 @@ class ParamStore:
                     raise ParamError("DEADLINE_EXCEEDED", f"{buffer} not ready: {reason}")
                 self._cond.wait(min(left, 0.2))
         src = self.buffers[SUM if buffer == AVERAGE else buffer]
+        stage = None if dtype == src.dtype else ops.aligned_empty(min(chunk, src.size), dtype)
         for lo in range(0, src.size, chunk):
-            yield lo, src[lo : lo + chunk].tobytes()
+            part = src[lo : lo + chunk]
+            if stage is not None:  # encode (bfloat16: rounded to nearest even)
+                np.copyto(stage[: part.size], part, casting="unsafe")
+                part = stage[: part.size]
+            yield lo, part.tobytes()
         if round_id and (self.exchange is None or self.exchange.round_id != round_id):
             raise ParamError("ABORTED", f"{buffer} changed during the download of round {round_id}")
 
@@ -249,12 +273,11 @@ class ParamStore:
         return None
 
 
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NULL = _Null()
+def _wire_dtype(wire: str) -> np.dtype:
+    """The element dtype of a wire format; a ParamError the caller can answer with."""
+    try:
+        return ops.wire_dtype(wire)
+    except ImportError as exc:
+        raise ParamError("UNIMPLEMENTED", f"this server cannot use the {wire} wire format: {exc}") from None
+    except ValueError as exc:
+        raise ParamError("INVALID_ARGUMENT", str(exc)) from None

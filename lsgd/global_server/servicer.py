@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 BUFFERS = {pb.BUFFER_KIND_GLOBAL_LEADER: LEADER, pb.BUFFER_KIND_CENTER: CENTER,
            pb.BUFFER_KIND_NODE_SUM: SUM, pb.BUFFER_KIND_AVERAGE: AVERAGE}
 PULLABLE = {LEADER, CENTER, AVERAGE}
+WIRES = {pb.WIRE_FORMAT_UNSPECIFIED: "float32", pb.WIRE_FORMAT_BFLOAT16: "bfloat16"}
 MAX_CREDIT_WAIT = 0.5  # seconds one AcquireCredits call may long-poll
 DEFAULT_CHUNK = 1 << 20  # float32 elements per download chunk (4 MiB)
 MAX_CHUNK = 1 << 22
@@ -190,6 +191,9 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         buffer = BUFFERS.get(h.buffer)
         if buffer is None or buffer == AVERAGE:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot upload buffer {h.buffer}")
+        wire = WIRES.get(h.wire_format)
+        if wire is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown wire format {h.wire_format}")
         self._call(context, lambda: (self._check(h.node),
                                      self.coord.heartbeat(h.node.node_index, h.node.session,
                                                           self.clock())))
@@ -202,7 +206,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
 
         try:
             self.params.push(h.node.node_index, h.round_id, buffer, h.param_count, h.summands,
-                             chunks())
+                             chunks(), wire=wire)
         except ParamError as exc:
             _abort(context, exc)
         return pb.PushParamsResponse()
@@ -212,6 +216,10 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         buffer = BUFFERS.get(request.buffer)
         if buffer not in PULLABLE:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot download buffer {request.buffer}")
+        wire = WIRES.get(request.wire_format)
+        if wire is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown wire format {request.wire_format}")
         self._call(context, lambda: (self._check(request.node),
                                      self.coord.heartbeat(request.node.node_index,
                                                           request.node.session, self.clock())))
@@ -221,7 +229,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                           f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
         try:
             for offset, data in self.params.pull(request.round_id, buffer, chunk,
-                                                 timeout=self.round_timeout):
+                                                 timeout=self.round_timeout, wire=wire):
                 yield pb.ParamChunk(offset=offset, data=data)
         except ParamError as exc:
             _abort(context, exc)

@@ -18,10 +18,14 @@ import numpy as np
 from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
+from ..rules import ops
 
 log = logging.getLogger(__name__)
 
-CHUNK = 1 << 20  # float32 elements per upload chunk (4 MiB)
+# Elements per chunk (512 KiB of float32): chunks stay in cache through their few copies, and
+# 200 messages per 100 MB keep the per-message cost of gRPC small (bench/params.py).
+CHUNK = 1 << 17  # upload
+PULL_CHUNK = 1 << 17  # download, asked of the server
 RPC_TIMEOUT = 10.0  # seconds for short calls
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 8 * 1024 * 1024),
@@ -31,6 +35,7 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.enable_retries", 0),
 ]
+WIRE_FORMATS = {"float32": pb.WIRE_FORMAT_UNSPECIFIED, "bfloat16": pb.WIRE_FORMAT_BFLOAT16}
 BUFFER_KINDS = {"global_leader": pb.BUFFER_KIND_GLOBAL_LEADER, "center": pb.BUFFER_KIND_CENTER,
                 "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE}
 
@@ -126,33 +131,139 @@ class GlobalClient:
                                                 late_consumed=late), timeout=RPC_TIMEOUT).counter
 
     # ------------------------------------------------------------------ parameters
-    def push(self, buffer: str, vec: np.ndarray, round_id: int, summands: int = 0) -> None:
-        """Upload ``vec`` (a flat float32 view) as the node's ``buffer`` for ``round_id``."""
+    # Chunks travel as hand-encoded protobuf bytes (the wire format of lsgd.proto, unchanged):
+    # an upload copies each slice of shared memory once, into the message; a download copies
+    # each message's payload once, into ``out``. No protobuf objects, no full-size buffers.
+    def push(self, buffer: str, vec: np.ndarray, round_id: int, summands: int = 0,
+             wire: str = "float32") -> None:
+        """Upload ``vec`` (a flat float32 view) as the node's ``buffer`` for ``round_id``.
+
+        ``wire="bfloat16"`` sends half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
+        """
+        dtype = ops.wire_dtype(wire)
+        ops.steady_heap()
+        if vec.ndim != 1:
+            raise ValueError(f"push needs a flat vector, got shape {vec.shape}")
         header = pb.PushHeader(node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer],
-                               param_count=vec.size, summands=summands)
+                               param_count=vec.size, summands=summands,
+                               wire_format=WIRE_FORMATS[wire])
+        stage = None if dtype == vec.dtype else ops.aligned_empty(min(CHUNK, vec.size), dtype)
 
-        def requests() -> Iterator[pb.PushParamsRequest]:
-            yield pb.PushParamsRequest(header=header)
+        def requests() -> Iterator[bytes]:
+            yield pb.PushParamsRequest(header=header).SerializeToString()
             for lo in range(0, vec.size, CHUNK):
-                yield pb.PushParamsRequest(chunk=pb.ParamChunk(offset=lo, data=vec[lo : lo + CHUNK].tobytes()))
+                src = vec[lo : lo + CHUNK]
+                if stage is not None:  # convert (bfloat16, or another dtype) chunk by chunk
+                    src = stage[: src.size]
+                    np.copyto(src, vec[lo : lo + src.size], casting="unsafe")
+                elif not src.flags.c_contiguous:
+                    src = np.ascontiguousarray(src)
+                data = src.view(np.uint8)  # raw bytes (also for dtypes without a buffer format)
+                inner = b"\x08" + _varint(lo) + b"\x12" + _varint(data.nbytes)
+                # PushParamsRequest.chunk (field 2) = ParamChunk{offset (1), data (2)}
+                yield b"".join((b"\x12", _varint(len(inner) + data.nbytes), inner, data))
 
-        self._stub.PushParams(requests(), timeout=self.round_timeout + RPC_TIMEOUT)
+        call = getattr(self, "_raw_push", None)  # the raw-bytes call, made on first use
+        if call is None:
+            call = self._raw_push = self._channel.stream_unary(
+                "/lsgd.v1.GlobalServer/PushParams", request_serializer=None,
+                response_deserializer=pb.PushParamsResponse.FromString)
+        call(requests(), timeout=self.round_timeout + RPC_TIMEOUT)
 
-    def pull(self, buffer: str, out: np.ndarray, round_id: int) -> None:
-        """Download the server's ``buffer`` for ``round_id`` into ``out`` (a flat float32 view)."""
-        stream = self._stub.PullParams(
-            pb.PullParamsRequest(node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer]),
-            timeout=self.round_timeout + RPC_TIMEOUT)
+    def pull(self, buffer: str, out: np.ndarray, round_id: int, wire: str = "float32") -> None:
+        """Download the server's ``buffer`` for ``round_id`` into ``out`` (a flat float32 view).
+
+        ``wire="bfloat16"`` receives half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
+        """
+        dtype = ops.wire_dtype(wire)
+        ops.steady_heap()
+        if out.ndim != 1:
+            raise ValueError(f"pull needs a flat vector, got shape {out.shape}")
+        raw = out.dtype == dtype and out.dtype.isnative and out.flags.c_contiguous
+        dst = out.view(np.uint8) if raw else out
+        call = getattr(self, "_raw_pull", None)
+        if call is None:
+            call = self._raw_pull = self._channel.unary_stream(
+                "/lsgd.v1.GlobalServer/PullParams",
+                request_serializer=pb.PullParamsRequest.SerializeToString,
+                response_deserializer=None)
+        stream = call(pb.PullParamsRequest(node=self._node(), round_id=round_id,
+                                           buffer=BUFFER_KINDS[buffer], chunk_elements=PULL_CHUNK,
+                                           wire_format=WIRE_FORMATS[wire]),
+                      timeout=self.round_timeout + RPC_TIMEOUT)
         pos = 0
-        for chunk in stream:
-            src = np.frombuffer(chunk.data, dtype="<f4")
-            if chunk.offset != pos or pos + src.size > out.size:
-                raise ValueError(f"bad chunk at {chunk.offset} ({src.size} elements) for a "
-                                 f"vector of {out.size}")
-            out[pos : pos + src.size] = src
-            pos += src.size
+        try:
+            for msg in stream:
+                offset, start, nbytes = _parse_chunk(msg)
+                n = nbytes // dtype.itemsize
+                if offset != pos or nbytes % dtype.itemsize or pos + n > out.size:
+                    raise ValueError(f"bad chunk at {offset} ({nbytes} bytes of {wire}) for a "
+                                     f"vector of {out.size} at {pos}")
+                if raw:  # a byte copy: the payload need not be aligned to 4 bytes
+                    s = pos * dtype.itemsize
+                    dst[s : s + nbytes] = np.frombuffer(msg, np.uint8, nbytes, start)
+                else:
+                    np.copyto(out[pos : pos + n], np.frombuffer(msg, dtype, n, start),
+                              casting="unsafe")
+                pos += n
+        finally:
+            stream.cancel()  # no-op once complete; stops the server early on a bad chunk
         if pos != out.size:
             raise ValueError(f"download of {buffer} ended at {pos} of {out.size} elements")
+
+
+def _varint(v: int) -> bytes:
+    """Protobuf base-128 varint."""
+    if v < 0x80:
+        return bytes((v,))
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
+def _read_varint(b: bytes, i: int) -> tuple[int, int]:
+    v = shift = 0
+    while True:
+        if i >= len(b) or shift > 63:
+            raise ValueError("truncated or invalid varint in a parameter chunk")
+        c = b[i]
+        i += 1
+        v |= (c & 0x7F) << shift
+        if c < 0x80:
+            return v, i
+        shift += 7
+
+
+def _parse_chunk(msg: bytes) -> tuple[int, int, int]:
+    """(offset, payload start, payload bytes) of a serialized ``ParamChunk``; skips unknown fields."""
+    offset, start, nbytes = 0, 0, 0
+    i = 0
+    while i < len(msg):
+        key, i = _read_varint(msg, i)
+        field, kind = key >> 3, key & 7
+        if kind == 0:
+            v, i = _read_varint(msg, i)
+            if field == 1:
+                offset = v
+        elif kind == 2:
+            n, i = _read_varint(msg, i)
+            if i + n > len(msg):
+                raise ValueError("truncated parameter chunk")
+            if field == 2:
+                start, nbytes = i, n
+            i += n
+        elif kind == 1:
+            i += 8
+        elif kind == 5:
+            i += 4
+        else:
+            raise ValueError(f"unexpected wire type {kind} in a parameter chunk")
+    if i != len(msg):
+        raise ValueError("truncated parameter chunk")
+    return offset, start, nbytes
 
 
 class Heartbeat:

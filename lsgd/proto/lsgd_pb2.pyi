@@ -21,6 +21,11 @@ class BufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_KIND_CENTER: _ClassVar[BufferKind]
     BUFFER_KIND_NODE_SUM: _ClassVar[BufferKind]
     BUFFER_KIND_AVERAGE: _ClassVar[BufferKind]
+
+class WireFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WIRE_FORMAT_UNSPECIFIED: _ClassVar[WireFormat]
+    WIRE_FORMAT_BFLOAT16: _ClassVar[WireFormat]
 ROUND_KIND_UNSPECIFIED: RoundKind
 ROUND_KIND_LOCAL: RoundKind
 ROUND_KIND_GLOBAL: RoundKind
@@ -30,6 +35,8 @@ BUFFER_KIND_GLOBAL_LEADER: BufferKind
 BUFFER_KIND_CENTER: BufferKind
 BUFFER_KIND_NODE_SUM: BufferKind
 BUFFER_KIND_AVERAGE: BufferKind
+WIRE_FORMAT_UNSPECIFIED: WireFormat
+WIRE_FORMAT_BFLOAT16: WireFormat
 
 class NodeId(_message.Message):
     __slots__ = ("job_id", "node_index", "session")
@@ -154,18 +161,20 @@ class ReportRoundResponse(_message.Message):
     def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("node", "round_id", "buffer", "param_count", "summands")
+    __slots__ = ("node", "round_id", "buffer", "param_count", "summands", "wire_format")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
     SUMMANDS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     round_id: int
     buffer: BufferKind
     param_count: int
     summands: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., param_count: _Optional[int] = ..., summands: _Optional[int] = ...) -> None: ...
+    wire_format: WireFormat
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., param_count: _Optional[int] = ..., summands: _Optional[int] = ..., wire_format: _Optional[_Union[WireFormat, str]] = ...) -> None: ...
 
 class PushParamsRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -188,16 +197,18 @@ class ParamChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PullParamsRequest(_message.Message):
-    __slots__ = ("node", "round_id", "buffer", "chunk_elements")
+    __slots__ = ("node", "round_id", "buffer", "chunk_elements", "wire_format")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    WIRE_FORMAT_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     round_id: int
     buffer: BufferKind
     chunk_elements: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., chunk_elements: _Optional[int] = ...) -> None: ...
+    wire_format: WireFormat
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., chunk_elements: _Optional[int] = ..., wire_format: _Optional[_Union[WireFormat, str]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node", "consumed", "late_consumed")
