@@ -26,7 +26,7 @@ from .servicer import GlobalServicer
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 8 * 1024 * 1024  # bytes; parameter chunks are 4 MiB
+MAX_MESSAGE = 8 * 1024 * 1024  # bytes; parameter chunks are at most 4 MiB (512 KiB by default)
 GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE),
     ("grpc.max_send_message_length", MAX_MESSAGE),

@@ -29,8 +29,8 @@ BUFFERS = {pb.BUFFER_KIND_GLOBAL_LEADER: LEADER, pb.BUFFER_KIND_CENTER: CENTER,
 PULLABLE = {LEADER, CENTER, AVERAGE}
 WIRES = {pb.WIRE_FORMAT_UNSPECIFIED: "float32", pb.WIRE_FORMAT_BFLOAT16: "bfloat16"}
 MAX_CREDIT_WAIT = 0.5  # seconds one AcquireCredits call may long-poll
-DEFAULT_CHUNK = 1 << 20  # float32 elements per download chunk (4 MiB)
-MAX_CHUNK = 1 << 22
+DEFAULT_CHUNK = 1 << 17  # elements per download chunk when the client names none (512 KiB)
+MAX_CHUNK = 1 << 20  # 4 MiB of float32: within the 8 MiB message limit
 
 
 class CallCounter(grpc.ServerInterceptor):
