@@ -39,6 +39,7 @@ minutes="${MINUTES:-}"              # wall-clock budget (empty: no limit)
 seed="${SEED:-0}"                   # random seed
 run_dir="${RUN_DIR:-runs/lsgd}"     # outputs: RUN_DIR/node<i>/{metrics.csv,summary.json}
 job_id="${JOB_ID:-lsgd}"            # job name, the same on every node
+wire="${WIRE:-float32}"              # parameter encoding between nodes: float32 | bfloat16
 # --- fault handling ------------------------------------------------------------------------
 round_timeout="${ROUND_TIMEOUT:-30}"     # seconds a round waits for a late worker or node
 node_timeout="${NODE_TIMEOUT:-5}"        # seconds of silence before a node is dropped
@@ -59,4 +60,5 @@ exec "$PYTHON" -m lsgd train \
     --entry "$entry" --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
     --iterations "$iterations" --minutes "$minutes" --seed "$seed" --run-dir "$run_dir" \
     --job-id "$job_id" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
-    --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --log-level "$log_level"
+    --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \
+    --log-level "$log_level"

@@ -51,6 +51,8 @@ class JobConfig:
     run_dir: str = _f("runs/lsgd", "output directory; each node writes RUN_DIR/node<i>/")
     job_id: str = _f("lsgd", "job name; every node must use the same one")
     entry: str = _f("lsgd.jobs.digits_mlp:main", "worker function, module:function")
+    wire: str = _f("float32", "parameter encoding between nodes and the global server: float32 | "
+                   "bfloat16 (half the bytes, ~3 significant digits; needs lsgd[bf16])")
     round_timeout: float = _f(30.0, "seconds a round waits for late workers or nodes")
     node_timeout: float = _f(5.0, "seconds of silence after which the global server drops a node")
     join_timeout: float = _f(60.0, "seconds the job waits for all nodes to join before it starts")
@@ -102,6 +104,14 @@ class JobConfig:
              f"job_id '{self.job_id}' must be 1-64 letters, digits, '_', '.' or '-'")
         need(re.fullmatch(r"[\w.]+:\w+", self.entry) is not None,
              f"entry '{self.entry}' must look like package.module:function")
+        need(self.wire in ("float32", "bfloat16"),
+             f"wire '{self.wire}' is unknown; choose float32 or bfloat16")
+        if self.wire == "bfloat16":
+            try:
+                import ml_dtypes  # noqa: F401
+            except ImportError:
+                raise ConfigError("wire bfloat16 needs the ml_dtypes package: "
+                                  "pip install 'lsgd[bf16]'") from None
         for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout"):
             v = getattr(self, name)
             need(v > 0, f"{name} must be > 0 seconds, got {v}")

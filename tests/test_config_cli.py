@@ -32,6 +32,7 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("ALPHA", "0.9"), ("ALGORITHM", "easgd")), "alpha * workers in the job = 1.8 > 1"),
     ((("LR", "fast"),), "argument --lr: lr must be float, got 'fast'"),
     ((("ITERATIONS", ""), ("MINUTES", "")), "set an iteration budget"),
+    ((("WIRE", "float16"),), "wire 'float16' is unknown; choose float32 or bfloat16"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

@@ -67,6 +67,21 @@ def test_two_nodes_two_workers_train_digits(cluster, algorithm):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+def test_bfloat16_wire_between_two_nodes(cluster, algorithm):
+    pytest.importorskip("ml_dtypes")
+    knobs = dict(NUM_GROUPS=2, WIRE="bfloat16", ALGORITHM=algorithm, ITERATIONS=4000, **TOY)
+    n0 = cluster(0, PORT=0, **knobs)
+    n1 = cluster(1, PORT=cluster.port_of_node0(), **knobs)
+    assert n1.wait(90) == 0, n1.output
+    assert n0.wait(30) == 0, n0.output
+    counter, done = counter_check(cluster.run_dir, [n0, n1])
+    assert counter == done == 4000
+    ev = n0.summary()["evaluation"]
+    assert ev["leader"]["accuracy"] > 0.99 and ev["average"]["accuracy"] > 0.99
+
+
+@pytest.mark.timeout(120)
 def test_worker_killed_mid_run_does_not_hang_the_job(cluster):
     # worker 1 SIGKILLs itself at its 300th step; the round it misses is logged
     node = cluster(0, PORT=0, ITERATIONS=4000, ROUND_TIMEOUT=3, TOYJOB_DIE=f"1:300", **TOY)

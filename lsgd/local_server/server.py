@@ -309,7 +309,7 @@ class LocalServer:
         if self.rule.exchange == Exchange.CENTER:
             if resp.seed_center:
                 try:
-                    self.client.push(CENTER, self.store.buffer(CENTER), round_id=0)
+                    self.client.push(CENTER, self.store.buffer(CENTER), round_id=0, wire=self.cfg.wire)
                 except grpc.RpcError as exc:
                     if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
                         raise
@@ -510,7 +510,7 @@ class LocalServer:
     def _push(self, name: str, kind: str, rid: int, summands: int = 0) -> bool:
         assert self.store is not None
         try:
-            self.client.push(kind, self.store.buffer(name), rid, summands)
+            self.client.push(kind, self.store.buffer(name), rid, summands, wire=self.cfg.wire)
             return True
         except grpc.RpcError as exc:
             log.warning("round %d: upload of %s failed: %s", rid, kind, exc.details())
@@ -521,7 +521,7 @@ class LocalServer:
         assert self.store is not None
         try:
             # Stage in the sum buffer (free at this point of every round), copy when complete.
-            self.client.pull(kind, self.store.buffer(SUM), rid)
+            self.client.pull(kind, self.store.buffer(SUM), rid, wire=self.cfg.wire)
             if name != SUM:
                 ops.copy_(self.store.buffer(name), self.store.buffer(SUM))
             return True
