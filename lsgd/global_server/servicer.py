@@ -59,7 +59,9 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.params = params
         self.round_timeout = round_timeout
         self.clock = clock
-        self.cond = threading.Condition()
+        lock = threading.RLock()
+        self.cond = threading.Condition(lock)  # state changes: AcquireCredits long-polls wait here
+        self.closed = threading.Condition(lock)  # a global/final round closed: ReportRound waits
         self._exchanged = 0  # newest round whose parameter exchange was started
         self.calls = CallCounter()
 
@@ -67,9 +69,10 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
     def tick(self) -> None:
         """Advance time; called by the server's ticker thread and on every request."""
         with self.cond:
-            dropped = self.coord.tick(self.clock())
+            before = self._state()
+            self.coord.tick(self.clock())
             self._after_change()
-            if dropped:
+            if self._state() != before:  # a drop, a start, a stop or a round: wake the polls
                 self.cond.notify_all()
         self.params.poll()
 
@@ -79,8 +82,16 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         if rnd is None or not rnd.closed or rnd.id <= self._exchanged or rnd.kind == RoundKind.LOCAL:
             return
         self._exchanged = rnd.id
+        self.closed.notify_all()
+        self.cond.notify_all()
         self.params.begin(rnd.id, rnd.kind, rnd.leader_node,
                           {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout)
+
+    def _state(self) -> tuple:
+        """What a long-poll can be waiting for: a pass that leaves it unchanged wakes nobody."""
+        c = self.coord
+        return (c.done, c.outstanding, c.rounds_opened, c.round.closed if c.round else None,
+                len(c.live_nodes), c.started, c.stop_reason)
 
     def _check(self, node: pb.NodeId) -> None:
         if node.job_id != self.coord.job_id:
@@ -91,9 +102,11 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], object]) -> object:
         try:
             with self.cond:
+                before = self._state()
                 result = fn()
                 self._after_change()
-                self.cond.notify_all()
+                if self._state() != before:  # heartbeats and stream headers change nothing
+                    self.cond.notify_all()
                 return result
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)
@@ -131,13 +144,17 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         try:
             with self.cond:
                 self._check(node)
+                before = self._state()
                 while True:
                     grant = self.coord.acquire(node.node_index, node.session, want=request.want,
                                                last_round_seen=request.last_round_seen,
                                                now=self.clock(), **counts)
                     counts = dict(consumed=0, late=0, released=0)  # applied once
                     self._after_change()
-                    self.cond.notify_all()
+                    after = self._state()
+                    if after != before:  # a poll that changed nothing must not wake the others
+                        self.cond.notify_all()
+                    before = after
                     left = end - self.clock()
                     if not grant.wait or left <= 0 or not context.is_active():
                         break
@@ -161,13 +178,12 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 self._check(node)
                 out = self.coord.report(node.node_index, node.session, request.round_id, best,
                                         request.participants, self.clock())
-                while True:
-                    self._after_change()
-                    self.cond.notify_all()
-                    if out.ready or self.clock() >= end or not context.is_active():
-                        break
-                    self.cond.wait(0.1)
-                    self.coord.tick(self.clock())
+                self._after_change()  # if this report closed the round, its waiters wake
+                while not out.ready and self.clock() < end and context.is_active():
+                    # Woken only when a round closes (the ticker closes it at round_timeout).
+                    if not self.closed.wait(0.1):
+                        self.coord.tick(self.clock())
+                        self._after_change()
                     out = self.coord.outcome(node.node_index, request.round_id)
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)

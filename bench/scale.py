@@ -1,0 +1,518 @@
+"""Target 2, global server scale: 64 simulated nodes x 8 workers run rounds on one global server.
+
+The real global server (``lsgd.global_server.server.serve``) runs in its own process. The nodes
+are simulated: each is one thread driving a real ``GlobalClient`` (its own gRPC channel) and a
+real ``Heartbeat`` thread, and speaks the node's side of the protocol without training:
+
+    join -> loop { AcquireCredits(consumed=<last grant>, want=large, last_round_seen)
+                   grant: "the 8 workers use it" (sleep ceil(grant/8) * step_ms)
+                   round: ReportRound (every kind, as the local server does); GLOBAL with more
+                          than one node: the leader's node pushes global_leader, the others
+                          pull it; FINAL: leader pushes global_leader, every node pushes its
+                          sum (summands=8), node 0 pulls global_leader and average; then Leave }
+
+Clients are Python and GIL-bound, so the 64 nodes are split over 2 client processes x 32
+threads (the machine has 2 cores: more processes would only add scheduling contention, one
+process would put all client-side protobuf work on one GIL). The client processes' CPU is
+measured too, to show they are not what limits the server.
+
+Round latency, per node and round: from the moment the node learns of the round (the
+AcquireCredits answer that names it) to the end of its part (ReportRound answered and its
+parameter exchange done). Server CPU: user+sys seconds of the server process over the measured
+window (first grant of the job to the last node's final round), sampled from /proc.
+
+Scenarios, each on a fresh server:
+  64x8        2 ms per worker step (32 ms of work per round): a stress run, the server sets the
+              pace. Node 63 joins 1.5 s late; the server's CPU while the other 63 long-poll with
+              nothing to do is reported too (it should be a few %).
+  1x8         the baseline, same run and step time (one node has only global rounds, and keeps
+              its leader at home: no upload).
+  64x8-paced  full mode only: 20 ms steps (320 ms of work per round), a server with headroom.
+
+Standalone: ``PYTHONPATH=. python -m bench.scale [--quick]``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import REPO, Result, cpu_seconds
+
+TARGET = "2. global server scale"
+JOB_ID = "scale"
+WANT = 1 << 30  # nodes ask for "everything"; the server caps grants at half a fair share
+PARAM_COUNT = 4096  # float32 elements (16 KiB) per parameter exchange
+CLIENT_PROCS = 2
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    nodes: int
+    workers: int
+    l_comm: int
+    g_comm: int
+    rounds: int  # rounds opened in the job, the final one included
+    step_ms: float  # modelled duration of one SGD step of a worker (sleep, no CPU)
+    param_count: int = PARAM_COUNT
+    late_join_s: float = 0.0  # the last node joins this late: the others long-poll meanwhile
+    round_timeout: float = 30.0
+    node_timeout: float = 10.0
+    join_timeout: float = 60.0
+    limit_s: float = 90.0  # hard bound on the whole scenario
+
+    @property
+    def round_period(self) -> int:
+        """Global iterations between two rounds (local ones if the job has them)."""
+        per_worker = self.l_comm if self.nodes > 1 else self.g_comm
+        return self.nodes * self.workers * per_worker
+
+    @property
+    def iterations(self) -> int:
+        return self.rounds * self.round_period
+
+
+# ---------------------------------------------------------------------------------- node side
+def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: threading.Event) -> None:
+    """One simulated node; fills ``out`` with its round records and errors."""
+    import grpc
+    import numpy as np
+
+    from lsgd.leader import Candidate
+    from lsgd.local_server.global_client import GlobalClient, Heartbeat
+    from lsgd.rules.base import RoundKind
+
+    rng = random.Random(index)
+    rounds: list[dict[str, Any]] = []
+    out.update(node=index, rounds=rounds, errors=[], acquires=0, grants=0, first_grant=None,
+               heartbeat_fatal=None, left=False)
+    client = GlobalClient(address, JOB_ID, index, sc.round_timeout)
+    hb = None
+    vec = np.full(sc.param_count, float(index), dtype=np.float32)
+    buf = np.empty(sc.param_count, dtype=np.float32)
+    held = 0
+    last_round_seen = 0
+    try:
+        if sc.late_join_s and index == sc.nodes - 1:
+            stop.wait(sc.late_join_s)
+        client.join(workers=sc.workers, param_count=sc.param_count, algorithm="lsgd",
+                    num_groups=sc.nodes, connect_timeout=20.0)
+        out["joined"] = time.monotonic()
+        hb = Heartbeat(client, interval=min(1.0, sc.node_timeout / 5),
+                       give_up=max(2 * sc.node_timeout, 10.0))
+        hb.start()
+        while not stop.is_set():
+            ans = client.acquire(consumed=held, late=0, released=0, want=WANT,
+                                 last_round_seen=last_round_seen, max_wait=0.5)
+            out["acquires"] += 1
+            held = 0
+            if ans.round_id > last_round_seen:
+                t_learn = time.monotonic()
+                rid, kind = ans.round_id, RoundKind(ans.round_kind)
+                last_round_seen = rid
+                best = Candidate(index * sc.workers + rng.randrange(sc.workers), rng.random())
+                r = client.report_round(rid, best, sc.workers)
+                t_report = time.monotonic()
+                role = ""
+                if not r.missed and kind == RoundKind.GLOBAL and r.leader and len(r.nodes) > 1:
+                    # As the local server does: the leader's node uploads (a lone node keeps
+                    # its leader at home), every other node downloads it.
+                    if r.leader_node == index:
+                        client.push("global_leader", vec, rid)
+                        role = "leader"
+                    else:
+                        client.pull("global_leader", buf, rid)
+                        role = "pull"
+                if not r.missed and kind == RoundKind.FINAL and r.leader and r.leader_node == index:
+                    client.push("global_leader", vec, rid)
+                    role = "leader"
+                if kind == RoundKind.FINAL and not r.missed:
+                    client.push("sum", vec, rid, summands=sc.workers)
+                    if index == 0 and r.leader:
+                        client.pull("global_leader", buf, rid)
+                        client.pull("average", buf, rid)
+                t_done = time.monotonic()
+                rounds.append({"id": rid, "kind": kind.name.lower(), "learn": t_learn,
+                               "report_s": t_report - t_learn, "latency_s": t_done - t_learn,
+                               "missed": r.missed, "role": role,
+                               "participants": r.participants})
+                if kind == RoundKind.FINAL:
+                    break
+                continue
+            if ans.grant:
+                out["grants"] += 1
+                if out["first_grant"] is None:
+                    out["first_grant"] = time.monotonic()
+                held = ans.grant
+                if sc.step_ms:  # the node's workers take their share of steps in parallel
+                    time.sleep(math.ceil(held / sc.workers) * sc.step_ms / 1000.0)
+        client.leave(consumed=held, late=0)
+        out["left"] = True
+    except grpc.RpcError as exc:
+        out["errors"].append(f"node {index}: {exc.code().name}: {exc.details()}")
+    except Exception as exc:  # noqa: BLE001 - every failure is a reported error
+        out["errors"].append(f"node {index}: {type(exc).__name__}: {exc}")
+    finally:
+        out["end"] = time.monotonic()
+        if hb is not None:
+            hb.stop()
+            out["heartbeat_fatal"] = hb.fatal
+        client.close()
+
+
+def client_main(spec_path: str) -> int:
+    """A client process: one thread per node in ``spec["nodes"]``; writes ``spec["out"]``."""
+    spec = json.loads(Path(spec_path).read_text())
+    sc = Scenario(**spec["scenario"])
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    outs = [dict() for _ in spec["nodes"]]
+    threads = [threading.Thread(target=_node, args=(i, spec["address"], sc, o, stop),
+                                name=f"node{i}", daemon=True)
+               for i, o in zip(spec["nodes"], outs)]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + sc.limit_s
+    while any(t.is_alive() for t in threads) and time.monotonic() < end and not stop.is_set():
+        time.sleep(0.05)
+    stop.set()  # stragglers finish their current call (bounded by its deadline) and leave
+    grace = time.monotonic() + 2.0
+    for t in threads:
+        t.join(max(0.0, grace - time.monotonic()))
+    alive = [t.name for t in threads if t.is_alive()]
+    for o, t in zip(outs, threads):
+        if t.is_alive():
+            o.setdefault("errors", []).append(f"{t.name}: stopped before the end of the job")
+    tmp = Path(spec["out"] + ".tmp")
+    tmp.write_text(json.dumps({"nodes": outs, "alive": alive}, default=str))
+    os.replace(tmp, spec["out"])
+    return 0
+
+
+# ---------------------------------------------------------------------------------- driver
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+SERVER_CODE = """\
+import json, logging, sys
+from lsgd.config import JobConfig
+from lsgd.global_server.server import serve
+logging.basicConfig(level=logging.WARNING, format="%(asctime)s global %(levelname)s %(message)s")
+sys.exit(serve(JobConfig(**json.loads(sys.argv[1]))))
+"""
+
+
+def _kill(proc: subprocess.Popen | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(3)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(3)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    """The exit status, or None if still running after ``timeout`` seconds."""
+    try:
+        return proc.wait(max(0.1, timeout))
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _pct(values: list[float], q: float) -> float:
+    import numpy as np
+
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+class _Sampler(threading.Thread):
+    """Samples (time, CPU seconds) of the server and client processes every 50 ms."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        super().__init__(daemon=True)
+        self.pids = pids
+        self.samples: list[tuple[float, dict[str, float]]] = []
+        self.halt = threading.Event()
+
+    def run(self) -> None:
+        while not self.halt.is_set():
+            self.take()
+            self.halt.wait(0.05)
+
+    def take(self) -> None:
+        row: dict[str, float] = {}
+        for name, pid in self.pids.items():
+            try:
+                row[name] = cpu_seconds(pid)
+            except (OSError, IndexError, ValueError):
+                pass
+        self.samples.append((time.monotonic(), row))
+
+    def at(self, name: str, t: float) -> float | None:
+        """CPU seconds of ``name`` at time ``t`` (linear interpolation between samples)."""
+        pts = [(ts, row[name]) for ts, row in self.samples if name in row]
+        if not pts:
+            return None
+        if t <= pts[0][0]:
+            return pts[0][1]
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if t0 <= t <= t1:
+                return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
+        return pts[-1][1]
+
+    def usage(self, name: str, t0: float, t1: float) -> float | None:
+        a, b = self.at(name, t0), self.at(name, t1)
+        return None if a is None or b is None or t1 <= t0 else 100.0 * (b - a) / (t1 - t0)
+
+
+def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
+    """Run one simulated cluster against a fresh global server; returns its measurements."""
+    run_dir = workdir / sc.name
+    run_dir.mkdir(parents=True)
+    from lsgd.config import JobConfig
+
+    config = dict(num_groups=sc.nodes, workers=sc.workers, algorithm="lsgd", l_comm=sc.l_comm,
+                  g_comm=sc.g_comm, iterations=sc.iterations, port=0, run_dir=str(run_dir),
+                  job_id=JOB_ID, round_timeout=sc.round_timeout, node_timeout=sc.node_timeout,
+                  join_timeout=sc.join_timeout)
+    JobConfig(**config)  # validate here, with a clear error
+    server: subprocess.Popen | None = None
+    clients: list[subprocess.Popen] = []
+    sampler: _Sampler | None = None
+    t_begin = time.monotonic()
+    hard_end = t_begin + sc.limit_s + 15
+    try:
+        log = (run_dir / "global.log").open("w")
+        server = subprocess.Popen([sys.executable, "-c", SERVER_CODE, json.dumps(config)],
+                                  env=_env(), stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+        port_file = run_dir / "global.port"
+        while not port_file.exists() or not port_file.read_text().strip():
+            if server.poll() is not None or time.monotonic() > t_begin + 30:
+                raise RuntimeError(f"global server did not start: {(run_dir / 'global.log').read_text()[-2000:]}")
+            time.sleep(0.02)
+        address = f"127.0.0.1:{int(port_file.read_text())}"
+        groups = [list(range(sc.nodes))[k::procs] for k in range(procs)]
+        groups = [g for g in groups if g]
+        outs = []
+        for k, nodes in enumerate(groups):
+            spec = run_dir / f"client{k}.spec.json"
+            out = run_dir / f"client{k}.json"
+            spec.write_text(json.dumps({"scenario": asdict(sc), "nodes": nodes, "address": address,
+                                        "out": str(out)}))
+            clog = (run_dir / f"client{k}.log").open("w")
+            clients.append(subprocess.Popen([sys.executable, "-m", "bench.scale", "--client", str(spec)],
+                                            env=_env(), cwd=str(REPO), stdout=clog,
+                                            stderr=subprocess.STDOUT, start_new_session=True))
+            outs.append(out)
+        pids = {"server": server.pid} | {f"client{k}": c.pid for k, c in enumerate(clients)}
+        sampler = _Sampler(pids)
+        sampler.start()
+        client_errors: list[str] = []
+        for k, c in enumerate(clients):
+            if _wait(c, hard_end - time.monotonic()) is None:
+                client_errors.append(f"client process {k} still running after {sc.limit_s:g} s: stopped")
+                c.send_signal(signal.SIGTERM)  # it stops its nodes and writes what it has
+                _wait(c, 5.0)
+        # Every node has left: the server writes its summary and exits by itself.
+        server_rc = _wait(server, 10.0)
+        if server_rc is None:
+            client_errors.append("global server did not exit 10 s after every node left")
+            server.send_signal(signal.SIGTERM)
+            server_rc = _wait(server, 5.0)
+        sampler.halt.set()
+        sampler.join()
+        summary_path = run_dir / "global" / "summary.json"
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        nodes: list[dict[str, Any]] = []
+        for k, out in enumerate(outs):
+            if out.exists():
+                nodes += json.loads(out.read_text())["nodes"]
+            else:
+                client_errors.append(f"client process {k} wrote no results "
+                                     f"(rc {clients[k].returncode}): "
+                                     f"{(run_dir / f'client{k}.log').read_text()[-500:]}")
+        return _measure(sc, nodes, summary, server_rc, sampler, client_errors,
+                        (run_dir / "global.log").read_text(), len(clients))
+    finally:
+        if sampler is not None:
+            sampler.halt.set()
+        for c in clients:
+            _kill(c)
+        _kill(server)
+
+
+def _measure(sc: Scenario, nodes: list[dict[str, Any]], summary: dict[str, Any], server_rc: int,
+             sampler: _Sampler, client_errors: list[str], server_log: str, procs: int) -> dict[str, Any]:
+    errors = client_errors + [e for n in nodes for e in n.get("errors", [])]
+    errors += [f"node {n['node']}: heartbeat: {n['heartbeat_fatal']}" for n in nodes
+               if n.get("heartbeat_fatal")]
+    warnings = [line for line in server_log.splitlines() if " WARNING " in line or " ERROR " in line]
+    records = [r for n in nodes for r in n.get("rounds", [])]
+    # A late report of a LOCAL round (the next period was used up first) only skips nothing:
+    # local rounds have no exchange. A missed GLOBAL/FINAL round is a failure.
+    missed = sum(1 for r in records if r["missed"] and r["kind"] != "local")
+    missed_local = sum(1 for r in records if r["missed"] and r["kind"] == "local")
+    lat = [r["latency_s"] * 1000 for r in records]
+    by_kind = {}
+    for kind in ("local", "global", "final"):
+        xs = [r["latency_s"] * 1000 for r in records if r["kind"] == kind]
+        if xs:
+            by_kind[kind] = {"n": len(xs), "p50_ms": round(_pct(xs, 50), 2),
+                             "p99_ms": round(_pct(xs, 99), 2), "max_ms": round(max(xs), 2)}
+    firsts = [n["first_grant"] for n in nodes if n.get("first_grant")]
+    finals = [n["rounds"][-1]["learn"] + n["rounds"][-1]["latency_s"] for n in nodes
+              if n.get("rounds") and n["rounds"][-1]["kind"] == "final"]
+    t0 = min(firsts) if firsts else None
+    t1 = max(finals) if finals else None
+    window = (t1 - t0) if t0 is not None and t1 is not None else float("nan")
+    rounds = summary.get("rounds", 0)
+    calls = summary.get("calls", {})
+    total_calls = sum(calls.values())
+    completed = sum(1 for n in nodes if n.get("left") and n.get("rounds")
+                    and n["rounds"][-1]["kind"] == "final")
+    # Rounds a node never heard of: possible for local rounds (no barrier), never for global.
+    seen = {n["node"]: len(n.get("rounds", [])) for n in nodes}
+    cpu = {name: (round(sampler.usage(name, t0, t1), 1) if t0 is not None and t1 is not None
+                  and sampler.usage(name, t0, t1) is not None else None)
+           for name in sampler.pids}
+    # Server CPU while all nodes but the late one long-poll and nothing can happen.
+    idle_cpu, idle_s = None, None
+    late = [n.get("joined") for n in nodes if n["node"] == sc.nodes - 1]
+    early = [n.get("joined") for n in nodes if n["node"] != sc.nodes - 1]
+    if sc.late_join_s and late and late[0] and early and all(early):
+        a, b = max(early) + 0.1, late[0] - 0.05
+        if b - a > 0.3 and sampler.usage("server", a, b) is not None:
+            idle_cpu, idle_s = round(sampler.usage("server", a, b), 1), round(b - a, 2)
+    ok = (not errors and missed == 0 and completed == sc.nodes and len(nodes) == sc.nodes
+          and summary.get("finished") is True and server_rc == 0 and rounds == sc.rounds
+          and summary.get("counter") == sc.iterations)
+    return {
+        "scenario": asdict(sc), "client_processes": procs, "ok": ok,
+        "errors": errors[:20], "error_count": len(errors), "missed_global_reports": missed,
+        "missed_local_reports": missed_local,
+        "server_warnings": warnings[:10], "server_warning_count": len(warnings),
+        "nodes_completed": completed, "server_rc": server_rc,
+        "rounds": rounds, "round_records": len(records), "window_s": round(window, 3),
+        "rounds_per_s": round(rounds / window, 2) if window and window > 0 else None,
+        "p50_ms": round(_pct(lat, 50), 2), "p99_ms": round(_pct(lat, 99), 2),
+        "max_ms": round(max(lat), 2) if lat else None, "by_kind": by_kind,
+        "server_cpu_pct": cpu.get("server"),
+        "idle_longpoll_server_cpu_pct": idle_cpu, "idle_longpoll_window_s": idle_s,
+        "client_cpu_pct": {k: v for k, v in cpu.items() if k != "server"},
+        "calls": calls, "calls_per_round": round(total_calls / rounds, 1) if rounds else None,
+        "acquires_per_node_round": round(sum(n.get("acquires", 0) for n in nodes)
+                                         / max(1, sc.nodes * rounds), 2),
+        "counter": summary.get("counter"), "expected_counter": sc.iterations,
+        # A node may skip a local round (no barrier) if the others used the next period first.
+        "rounds_skipped": sum(sc.rounds - v for v in seen.values()),
+    }
+
+
+def run(quick: bool) -> list[Result]:
+    """64 x 8 (and, full mode, a paced 64 x 8) against the 1 x 8 baseline; quick ~15 s, full ~1.5 min."""
+    rounds = 24 if quick else 120
+    # Stress: 2 ms per worker step, so the server, not the modelled work, sets the pace.
+    # 64 nodes: a local round every 16 steps per worker, a global one every 64 (the defaults);
+    # node 63 joins 1.5 s late, so 63 nodes long-poll with nothing to do meanwhile.
+    big = Scenario("64x8", nodes=64, workers=8, l_comm=16, g_comm=64, rounds=rounds, step_ms=2.0,
+                   late_join_s=1.5)
+    # One node has only global rounds: the same work per round (16 steps per worker).
+    base = Scenario("1x8", nodes=1, workers=8, l_comm=16, g_comm=16, rounds=rounds, step_ms=2.0)
+    # Paced (full mode): 20 ms steps, 320 ms of work per round: a server with headroom.
+    paced = Scenario("64x8-paced", nodes=64, workers=8, l_comm=16, g_comm=64, rounds=32,
+                     step_ms=20.0)
+    with tempfile.TemporaryDirectory(prefix="lsgd-bench-scale-") as tmp:
+        b = run_scenario(base, 1, Path(tmp))
+        m = run_scenario(big, CLIENT_PROCS, Path(tmp))
+        p = None if quick else run_scenario(paced, CLIENT_PROCS, Path(tmp))
+    met = bool(m["ok"]) and (p is None or bool(p["ok"]))
+    shared = {"64x8": m, "1x8": b} | ({"64x8-paced": p} if p else {})
+    gb = lambda d, k: d["by_kind"].get("global", {}).get(k)  # noqa: E731
+    goal = ("64 nodes x 8 workers finish every round on one global server: 0 RPC errors, "
+            "0 missed global rounds, no node dropped, exact counter")
+
+    def ratio(a: float | None, c: float | None) -> float | None:
+        return round(a / c, 2) if a is not None and c else None
+
+    def nan(x: float | None) -> float:
+        return float("nan") if x is None else x
+
+    out = [
+        Result(TARGET, "p99 round latency, 64 nodes x 8 workers, 2 ms steps (all rounds: "
+               "local + global + final)", m["p99_ms"], "ms", b["p99_ms"],
+               "1 node x 8 workers, same run", ratio(m["p99_ms"], b["p99_ms"]),
+               "value/baseline (growth from 1 to 64 nodes)", goal, met, extra=shared),
+        Result(TARGET, "p99 global-round latency (64-node barrier + leader upload + 63 downloads)",
+               nan(gb(m, "p99_ms")), "ms", gb(b, "p99_ms"), "1 node x 8 workers (global rounds only)",
+               ratio(gb(m, "p99_ms"), gb(b, "p99_ms")), "value/baseline", "", None,
+               extra={"64x8": m["by_kind"], "1x8": b["by_kind"]}),
+        Result(TARGET, "p50 round latency, 64 nodes x 8 workers", m["p50_ms"], "ms", b["p50_ms"],
+               "1 node x 8 workers", ratio(m["p50_ms"], b["p50_ms"]), "value/baseline", "", None),
+        Result(TARGET, "global server CPU, 64 nodes x 8 workers", nan(m["server_cpu_pct"]),
+               "% of one core", b["server_cpu_pct"], "1 node x 8 workers",
+               ratio(m["server_cpu_pct"], b["server_cpu_pct"]), "value/baseline", "", None,
+               extra={"client_cpu_pct": m["client_cpu_pct"], "machine_cores": os.cpu_count()}),
+        Result(TARGET, "rounds per second, 64 nodes x 8 workers", nan(m["rounds_per_s"]),
+               "rounds/s", b["rounds_per_s"], "1 node x 8 workers",
+               ratio(m["rounds_per_s"], b["rounds_per_s"]), "value/baseline", "", None,
+               extra={"calls_per_round": m["calls_per_round"], "calls": m["calls"],
+                      "baseline_calls_per_round": b["calls_per_round"],
+                      "baseline_calls": b["calls"]}),
+        Result(TARGET, "global server CPU while 63 nodes long-poll with nothing to do "
+               "(node 63 joins 1.5 s late)", nan(m["idle_longpoll_server_cpu_pct"]),
+               "% of one core", None, "", None, "",
+               "a few % (each node polls twice a second)", None,
+               extra={"window_s": m["idle_longpoll_window_s"]}),
+    ]
+    if p is not None:
+        out.append(Result(TARGET, "p99 round latency, 64 nodes x 8 workers, 20 ms steps (paced)",
+                          p["p99_ms"], "ms", b["p99_ms"], "1 node x 8 workers, 2 ms steps",
+                          ratio(p["p99_ms"], b["p99_ms"]), "value/baseline", "", None,
+                          extra={"server_cpu_pct": p["server_cpu_pct"],
+                                 "rounds_per_s": p["rounds_per_s"], "by_kind": p["by_kind"],
+                                 "ok": p["ok"], "errors": p["errors"]}))
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) >= 2 and argv[0] == "--client":
+        return client_main(argv[1])
+    quick = "--quick" in argv
+    t = time.monotonic()
+    results = run(quick)
+    for r in results:
+        d = r.to_dict()
+        extra = d.pop("extra")
+        print(json.dumps(d))
+        if "64x8" in extra:
+            for name in ("64x8", "1x8", "64x8-paced"):
+                if name in extra:
+                    e = {k: v for k, v in extra[name].items() if k != "scenario"}
+                    print(f"  {name}: {json.dumps(e)}")
+    print(f"total {time.monotonic() - t:.1f} s")
+    return 0 if results[0].met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
