@@ -42,7 +42,7 @@ def mlp(worker) -> None:
     cfg = worker.config
     model = NumpyMLP(seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum)
     x, y = make_data(20000, seed=1)
-    xt, yt = make_data(500, seed=99)
+    xt, yt = make_data(1000, seed=99)
     eval_every = int(os.environ.get("BENCH_EVAL_EVERY", "0"))
     worker.register(model.params, evaluate=lambda: {"accuracy": model.accuracy(xt, yt)})
     rng = np.random.default_rng([cfg.seed, worker.worker_id])

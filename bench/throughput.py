@@ -27,7 +27,7 @@ def _plain_loop(seconds: float, eval_every: int, out) -> None:
 
     model = NumpyMLP(seed=0, lr=0.05, momentum=0.9)
     x, y = make_data(20000, seed=1)
-    xt, yt = make_data(500, seed=99)
+    xt, yt = make_data(1000, seed=99)
     rng = np.random.default_rng([0, 0])
     curve, steps = [], 0
     t0 = time.time()
@@ -129,8 +129,8 @@ def run_throughput(quick: bool) -> list[Result]:
                 "5. training throughput", f"samples/s, {w} worker(s) on one node (2 cores)", got,
                 "samples/s", baseline=base_rate, baseline_name="same loop alone, no lsgd",
                 ratio=got / base_rate, ratio_note="lsgd / baseline",
-                goal=">= 1.85x with 2 workers; servers < 5% of a core" if w == 2 else "",
-                met=(got / base_rate >= 1.85 and servers < 5) if w == 2 else None,
+                goal=">= 1.85x with 2 workers" if w == 2 else "",
+                met=(got / base_rate >= 1.85) if w == 2 else None,
                 extra={"two_plain_loops_samples_per_s": ceiling,
                        "ratio_to_two_plain_loops": got / ceiling if w == 2 else None,
                        "time_in_lsgd_pct": 100 * sum(x["in_lsgd_s"] for x in r["records"])
@@ -139,19 +139,32 @@ def run_throughput(quick: bool) -> list[Result]:
                        "global_server_cpu_pct": r["global_cpu"] * 100,
                        "steps": sum(x["steps"] for x in r["records"]),
                        "ms_per_step_baseline": 1000 * (base["last"] - base["first"]) / base["steps"]}))
+            if w == 2:
+                out.append(Result(
+                    "5. training throughput", "samples/s, 2 workers, against the machine's ceiling",
+                    got, "samples/s", baseline=ceiling,
+                    baseline_name="two independent plain loops at once, no lsgd",
+                    ratio=got / ceiling, ratio_note="lsgd / ceiling", goal="lsgd costs < 3%",
+                    met=got / ceiling >= 0.97))
+                out.append(Result(
+                    "5. training throughput", "local + global server CPU while 2 workers train",
+                    servers, "% of a core", goal="< 5% of a core", met=servers < 5,
+                    extra={"local_server_cpu_pct": r["local_cpu"] * 100,
+                           "global_server_cpu_pct": r["global_cpu"] * 100}))
     return out
 
 
-def time_to(curve: list, target: float, t0: float) -> float | None:
-    for t, _, acc in curve:
-        if acc >= target:
-            return t - t0
+def time_to(curve: list, target: float, t0: float, smooth: int = 3) -> float | None:
+    """Seconds until the mean of ``smooth`` consecutive evaluations reaches ``target``."""
+    for i in range(smooth - 1, len(curve)):
+        if sum(c[2] for c in curve[i - smooth + 1 : i + 1]) / smooth >= target:
+            return curve[i][0] - t0
     return None
 
 
 def run_accuracy(quick: bool, plot: Path | None = None) -> list[Result]:
     seconds = 20.0 if quick else 45.0
-    target = 0.70
+    target = 0.65  # on the rising part of every curve; the task plateaus near 0.70
     every = 25
     runs: dict[str, dict] = {}
     (base,) = plain(seconds, every)
@@ -171,7 +184,8 @@ def run_accuracy(quick: bool, plot: Path | None = None) -> list[Result]:
         times = [t for c in run["curves"] if (t := time_to(c, target, run["t0"])) is not None]
         t = min(times) if times else None
         out.append(Result(
-            "6. time to accuracy", f"{name}: seconds to {target:.0%} test accuracy (best worker)",
+            "6. time to accuracy",
+            f"{name}: seconds to {target:.0%} test accuracy (best worker, mean of 3 evaluations)",
             t if t is not None else float("nan"), "s", baseline=base_t,
             baseline_name="single-worker SGD", ratio=(base_t / t) if (t and base_t) else None,
             ratio_note="baseline time / time", met=None,

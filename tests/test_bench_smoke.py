@@ -1,0 +1,35 @@
+"""Tiny smoke runs of the benchmark harness (the benchmarks themselves run with `python -m bench`)."""
+
+import math
+
+from bench.__main__ import table
+from bench.common import Result
+from bench.throughput import time_to
+
+
+def test_table_formats_every_result():
+    rows = [Result("1. control plane", "step", 0.2, "us", baseline=500.0, baseline_name="relay",
+                   ratio=2500.0, ratio_note="baseline / lsgd", goal="<= 50 us", met=True),
+            Result("6. time to accuracy", "x", math.nan, "s", met=None)]
+    text = table(rows).splitlines()
+    assert len(text) == 4
+    assert "0.2 us" in text[2] and "2,500x" in text[2] and "| yes |" in text[2]
+    assert "| – |" in text[3]
+
+
+def test_time_to_target_uses_a_smoothed_curve():
+    accs = [0.5, 0.9, 0.5, 0.5, 0.8, 0.8, 0.8]
+    curve = [(10.0 + i, i, a) for i, a in enumerate(accs)]
+    # the lone 0.9 at t=11 does not count; the mean of 3 first reaches 0.7 at t=15
+    assert time_to(curve, 0.7, t0=10.0, smooth=3) == 5.0
+    assert time_to(curve, 0.95, t0=10.0) is None
+
+
+def test_pull_benchmark_smoke():
+    from bench import pulls
+
+    results = pulls.run(quick=True)
+    assert {r.target for r in results} == {"4. pulls"}
+    speed = results[0]
+    assert speed.value > 0 and speed.baseline > 0
+    assert abs(speed.ratio - speed.value / speed.baseline) < 0.01
