@@ -75,24 +75,40 @@ def main(argv: list[str] | None = None) -> int:
     info = machine()
     command = "python -m bench" + (" --quick" if args.quick else "") + (
         f" --only {' '.join(args.only)}" if args.only else "")
-    payload = {"machine": info, "command": command, "seconds": round(time.monotonic() - t0, 1),
-               "results": [r.to_dict() for r in results], "failed": failed}
-    (REPO / "bench" / "results.json").write_text(json.dumps(payload, indent=2, default=str))
+    run = {"command": command, "date": info["date"], "seconds": round(time.monotonic() - t0, 1)}
+    for r in results:
+        r.extra["run"] = run
+    path = REPO / "bench" / "results.json"
+    kept: list[dict] = []
+    if args.only and path.exists():  # a partial run replaces only its own targets
+        new_targets = {r.target for r in results}
+        kept = [r for r in json.loads(path.read_text())["results"] if r["target"] not in new_targets]
+    merged = kept + [r.to_dict() for r in results]
+    merged.sort(key=lambda r: r["target"])
+    payload = {"machine": info, "results": merged, "failed": failed}
+    path.write_text(json.dumps(payload, indent=2, default=str))
     print("\n" + table(results))
     if not args.no_docs:
-        _update_docs(table(results), info, command, payload["seconds"])
+        _update_docs([Result(**r) for r in merged], info)
     if failed:
         print(f"benchmarks that failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
-def _update_docs(tbl: str, info: dict, command: str, seconds: float) -> None:
+def _update_docs(results: list[Result], info: dict) -> None:
     path = REPO / "docs" / "benchmarks.md"
     text = path.read_text() if path.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
-    block = (f"{START}\nCommand: `{command}` ({seconds:.0f} s), {info['date']}.\n"
+    runs: dict[str, dict] = {}
+    for r in results:
+        run = r.extra.get("run", {})
+        runs.setdefault(run.get("command", "?"), run)
+    made = "; ".join(f"`{c}` ({run.get('seconds', 0):.0f} s, {run.get('date', '?')}, targets "
+                     f"{', '.join(sorted({r.target.split('.')[0] for r in results if r.extra.get('run', {}).get('command') == c}))})"
+                     for c, run in runs.items())
+    block = (f"{START}\nProduced by {made}.\n"
              f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; "
              f"Python {info['python']}, numpy {info['numpy']}, grpcio {info['grpcio']}.\n\n"
-             f"{tbl}\n{END}")
+             f"{table(results)}\n{END}")
     if START in text and END in text:
         text = text[: text.index(START)] + block + text[text.index(END) + len(END):]
     else:

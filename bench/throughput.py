@@ -190,6 +190,14 @@ def run_accuracy(quick: bool, plot: Path | None = None) -> list[Result]:
             baseline_name="single-worker SGD", ratio=(base_t / t) if (t and base_t) else None,
             ratio_note="baseline time / time", met=None,
             extra={"final_accuracy": run["final"], "budget_s": seconds}))
+    base_final = runs["single-worker SGD"]["final"]
+    for name, run in runs.items():
+        what = {"s": "its model", "L": "the final leader", "E": "the center"}[name[0]]
+        out.append(Result(
+            "6. time to accuracy", f"{name}: final test accuracy after {seconds:.0f} s ({what})",
+            run["final"], "", baseline=base_final, baseline_name="single-worker SGD",
+            ratio=run["final"] / base_final if base_final else None, ratio_note="value / baseline",
+            met=None))
     if plot is not None:
         _plot(runs, target, plot)
     return out
