@@ -50,7 +50,7 @@ def table(results: list[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short runs (under 2 minutes)")
+    parser.add_argument("--quick", action="store_true", help="short runs (about 3 minutes in all)")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHES), help="run only these")
     parser.add_argument("--no-docs", action="store_true", help="do not update docs/benchmarks.md")
     args = parser.parse_args(argv)

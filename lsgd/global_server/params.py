@@ -215,6 +215,9 @@ class ParamStore:
                     np.copyto(stage[:n], src, casting="unsafe")
                     src = stage[:n]
                 with self._cond:  # uploads of several nodes add into one sum
+                    if exchange is not None and (exchange.settled or self.exchange is not exchange):
+                        raise ParamError("DEADLINE_EXCEEDED", f"round {exchange.round_id} settled "
+                                         "before this upload finished")
                     target[pos : pos + n] += src
             pos += n
         if pos != target.size:

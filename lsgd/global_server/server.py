@@ -111,12 +111,12 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
             with servicer.cond:
                 if coord.all_gone:
                     break
-            if ready is not None and os.getppid() != parent:
-                log.error("node 0 (which started this server) exited; stopping")
-                break
                 if not coord.nodes and time.monotonic() - t0 > config.join_timeout:
                     log.error("no node joined within %g s", config.join_timeout)
                     break
+            if ready is not None and os.getppid() != parent:
+                log.error("node 0 (which started this server) exited; stopping")
+                break
     finally:
         server.stop(grace=1.0).wait(5.0)
         with servicer.cond:

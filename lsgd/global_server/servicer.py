@@ -159,6 +159,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                     if not grant.wait or left <= 0 or not context.is_active():
                         break
                     self.cond.wait(min(left, 0.1))
+                    before = self._state()  # what others changed meanwhile is theirs to announce
                 resp = pb.AcquireCreditsResponse(grant=grant.grant, counter=self.coord.done)
                 if grant.round is not None:
                     resp.round.id = grant.round.id
@@ -182,8 +183,11 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 while not out.ready and self.clock() < end and context.is_active():
                     # Woken only when a round closes (the ticker closes it at round_timeout).
                     if not self.closed.wait(0.1):
+                        before = self._state()
                         self.coord.tick(self.clock())
                         self._after_change()
+                        if self._state() != before:  # e.g. a node dropped: wake the polls
+                            self.cond.notify_all()
                     out = self.coord.outcome(node.node_index, request.round_id)
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)
