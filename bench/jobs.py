@@ -46,13 +46,15 @@ def mlp(worker) -> None:
     eval_every = int(os.environ.get("BENCH_EVAL_EVERY", "0"))
     worker.register(model.params, evaluate=lambda: {"accuracy": model.accuracy(xt, yt)})
     rng = np.random.default_rng([cfg.seed, worker.worker_id])
-    curve, steps, in_lsgd = [], 0, 0.0
+    curve, marks, steps, in_lsgd = [], [], 0, 0.0
     clock = time.perf_counter
     first = time.time()  # before the first step, as in the plain baseline loop
     while True:
         idx = rng.integers(0, len(x), cfg.batch_size)
         loss = model.step(x[idx], y[idx])
         steps += 1
+        if steps % 10 == 0:
+            marks.append((time.time(), steps))
         if eval_every and steps % eval_every == 0:
             curve.append((time.time(), steps, model.accuracy(xt, yt)))
         t = clock()
@@ -63,4 +65,4 @@ def mlp(worker) -> None:
     last = time.time()
     _out(worker, "mlp").with_suffix(".json").write_text(json.dumps(
         {"steps": steps, "first": first, "last": last, "batch": cfg.batch_size, "curve": curve,
-         "in_lsgd_s": in_lsgd}))
+         "marks": marks, "in_lsgd_s": in_lsgd}))

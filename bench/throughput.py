@@ -29,15 +29,17 @@ def _plain_loop(seconds: float, eval_every: int, out) -> None:
     x, y = make_data(20000, seed=1)
     xt, yt = make_data(1000, seed=99)
     rng = np.random.default_rng([0, 0])
-    curve, steps = [], 0
+    curve, marks, steps = [], [], 0
     t0 = time.time()
     while time.time() - t0 < seconds:
         idx = rng.integers(0, len(x), BATCH)
         model.step(x[idx], y[idx])
         steps += 1
+        if steps % 10 == 0:
+            marks.append((time.time(), steps))
         if eval_every and steps % eval_every == 0:
             curve.append((time.time(), steps, model.accuracy(xt, yt)))
-    out.put({"steps": steps, "first": t0, "last": time.time(), "curve": curve,
+    out.put({"steps": steps, "first": t0, "last": time.time(), "curve": curve, "marks": marks,
              "final": model.accuracy(xt, yt)})
 
 
@@ -110,16 +112,28 @@ def lsgd_run(workers: int, seconds: float, run_dir: Path, algorithm: str = "lsgd
 
 
 def rate(records: list[dict]) -> float:
-    """Samples per second of all workers together, from the first start to the last stop."""
-    span = max(r["last"] for r in records) - min(r["first"] for r in records)
-    return sum(r["steps"] for r in records) * BATCH / span
+    """Steady-state samples per second of all workers together.
+
+    Counted over the window in which every worker was training (from the last one's start to
+    the first one's stop), from step marks each worker records every 10 steps, so start-up skew
+    and the final round do not count against either lsgd or the plain loops.
+    """
+    lo = max(r["first"] for r in records)
+    hi = min(r["last"] for r in records)
+    if hi - lo < 1.0:
+        raise RuntimeError("workers did not train at the same time for 1 s")
+    total = 0.0
+    for r in records:
+        t, n = zip(*r["marks"])
+        total += float(np.interp(hi, t, n) - np.interp(lo, t, n))
+    return total * BATCH / (hi - lo)
 
 
 def run_throughput(quick: bool) -> list[Result]:
     seconds = 15.0 if quick else 30.0
     (base,) = plain(seconds)
-    base_rate = base["steps"] * BATCH / (base["last"] - base["first"])
-    ceiling = rate([dict(r, batch=BATCH) for r in plain(seconds, copies=2)])
+    base_rate = rate([base])
+    ceiling = rate(plain(seconds, copies=2))
     out = []
     with tempfile.TemporaryDirectory() as tmp:
         for w in (1, 2, 4):

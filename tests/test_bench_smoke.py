@@ -33,3 +33,12 @@ def test_pull_benchmark_smoke():
     speed = results[0]
     assert speed.value > 0 and speed.baseline > 0
     assert abs(speed.ratio - speed.value / speed.baseline) < 0.01
+
+
+def test_throughput_counts_only_the_window_when_all_workers_train():
+    from bench.throughput import BATCH, rate
+
+    fast = {"first": 0.0, "last": 10.0, "marks": [(i * 0.1, i * 10) for i in range(1, 101)]}
+    late = {"first": 1.0, "last": 10.0, "marks": [(1 + i * 0.1, i * 10) for i in range(1, 91)]}
+    assert abs(rate([fast]) / BATCH - 100) < 1
+    assert abs(rate([fast, late]) / BATCH - 200) < 3  # the late start does not dilute the rate
