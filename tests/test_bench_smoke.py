@@ -40,5 +40,5 @@ def test_throughput_counts_only_the_window_when_all_workers_train():
 
     fast = {"first": 0.0, "last": 10.0, "marks": [(i * 0.1, i * 10) for i in range(1, 101)]}
     late = {"first": 1.0, "last": 10.0, "marks": [(1 + i * 0.1, i * 10) for i in range(1, 91)]}
-    assert abs(rate([fast]) / BATCH - 100) < 1
+    assert abs(rate([fast]) / BATCH - 100) < 2  # marks every 10 steps: ~1% of edge error
     assert abs(rate([fast, late]) / BATCH - 200) < 3  # the late start does not dilute the rate
