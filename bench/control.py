@@ -10,7 +10,6 @@ with 1, 2 and 4 nodes.
 from __future__ import annotations
 
 import multiprocessing as mp
-import statistics
 import tempfile
 import time
 from pathlib import Path

@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from ..wire import aligned_empty, steady_heap, wire_dtype
 from ..rules import ops
 from ..rules.base import RoundKind, Rule, Exchange as ExchangeKind
 
@@ -134,7 +135,7 @@ class ParamStore:
              chunks: Iterable[tuple[int, bytes]], wire: str = "float32") -> None:
         """Receive an upload of ``buffer`` from ``node``; ``chunks`` yields (offset, raw bytes).
 
-        ``wire`` is the chunks' encoding (``ops.WIRE_FORMATS``); offsets count elements.
+        ``wire`` is the chunks' encoding (``lsgd.wire.WIRE_FORMATS``); offsets count elements.
         """
         dtype = _wire_dtype(wire)  # before anything is taken: a refused format changes nothing
         with self._cond:
@@ -192,7 +193,7 @@ class ParamStore:
 
     def _receive(self, target: np.ndarray, chunks: Iterable[tuple[int, bytes]], add: bool,
                  exchange: Exchange | None, dtype: np.dtype = np.dtype("<f4")) -> None:
-        ops.steady_heap()
+        steady_heap()
         size = dtype.itemsize
         stage: np.ndarray | None = None  # float32 staging of a converted chunk (page aligned)
         pos = 0
@@ -211,7 +212,7 @@ class ParamStore:
             else:
                 if dtype != target.dtype:  # decode outside the lock
                     if stage is None or stage.size < n:
-                        stage = ops.aligned_empty(n, target.dtype)
+                        stage = aligned_empty(n, target.dtype)
                     np.copyto(stage[:n], src, casting="unsafe")
                     src = stage[:n]
                 with self._cond:  # uploads of several nodes add into one sum
@@ -231,7 +232,7 @@ class ParamStore:
         Chunks are (element offset, raw bytes in the ``wire`` encoding).
         """
         dtype = _wire_dtype(wire)
-        ops.steady_heap()
+        steady_heap()
         end = self.clock() + timeout
         with self._cond:
             while True:
@@ -246,7 +247,7 @@ class ParamStore:
                     raise ParamError("DEADLINE_EXCEEDED", f"{buffer} not ready: {reason}")
                 self._cond.wait(min(left, 0.2))
         src = self.buffers[SUM if buffer == AVERAGE else buffer]
-        stage = None if dtype == src.dtype else ops.aligned_empty(min(chunk, src.size), dtype)
+        stage = None if dtype == src.dtype else aligned_empty(min(chunk, src.size), dtype)
         for lo in range(0, src.size, chunk):
             part = src[lo : lo + chunk]
             if stage is not None:  # encode (bfloat16: rounded to nearest even)
@@ -279,7 +280,7 @@ class ParamStore:
 def _wire_dtype(wire: str) -> np.dtype:
     """The element dtype of a wire format; a ParamError the caller can answer with."""
     try:
-        return ops.wire_dtype(wire)
+        return wire_dtype(wire)
     except ImportError as exc:
         raise ParamError("UNIMPLEMENTED", f"this server cannot use the {wire} wire format: {exc}") from None
     except ValueError as exc:

@@ -18,7 +18,7 @@ import numpy as np
 from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
-from ..rules import ops
+from ..wire import aligned_empty, steady_heap, wire_dtype
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,14 @@ class GlobalClient:
 
         ``wire="bfloat16"`` sends half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
         """
-        dtype = ops.wire_dtype(wire)
-        ops.steady_heap()
+        dtype = wire_dtype(wire)
+        steady_heap()
         if vec.ndim != 1:
             raise ValueError(f"push needs a flat vector, got shape {vec.shape}")
         header = pb.PushHeader(node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer],
                                param_count=vec.size, summands=summands,
                                wire_format=WIRE_FORMATS[wire])
-        stage = None if dtype == vec.dtype else ops.aligned_empty(min(CHUNK, vec.size), dtype)
+        stage = None if dtype == vec.dtype else aligned_empty(min(CHUNK, vec.size), dtype)
 
         def requests() -> Iterator[bytes]:
             yield pb.PushParamsRequest(header=header).SerializeToString()
@@ -175,8 +175,8 @@ class GlobalClient:
 
         ``wire="bfloat16"`` receives half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
         """
-        dtype = ops.wire_dtype(wire)
-        ops.steady_heap()
+        dtype = wire_dtype(wire)
+        steady_heap()
         if out.ndim != 1:
             raise ValueError(f"pull needs a flat vector, got shape {out.shape}")
         raw = out.dtype == dtype and out.dtype.isnative and out.flags.c_contiguous

@@ -8,12 +8,10 @@ whatever the model size (``reference/limits.md``: chunked in-place pulls run ~2x
 from __future__ import annotations
 
 import math
-import mmap
 
 import numpy as np
 
 CHUNK = 1 << 18  # 256K float32 elements = 1 MiB per slice
-WIRE_FORMATS = ("float32", "bfloat16")  # encodings of parameter chunks on the wire
 
 
 def _check(x: np.ndarray, other: np.ndarray) -> None:
@@ -111,65 +109,3 @@ def all_finite(x: np.ndarray, chunk: int = CHUNK) -> bool:
         if not np.isfinite(x[lo : lo + chunk]).all():
             return False
     return True
-
-
-# ---------------------------------------------------------------------- wire formats, buffers
-def wire_dtype(wire: str) -> np.dtype:
-    """The numpy dtype of a wire format's chunk elements (little-endian).
-
-    ``"bfloat16"`` needs the optional ``ml_dtypes`` package (``pip install 'lsgd[bf16]'``),
-    imported only when that format is asked for.
-    """
-    if wire == "float32":
-        return np.dtype("<f4")
-    if wire == "bfloat16":
-        try:
-            import ml_dtypes
-        except ImportError:
-            raise ImportError("the bfloat16 wire format needs the optional ml_dtypes package: "
-                              "pip install 'lsgd[bf16]' (or 'ml_dtypes>=0.4')") from None
-        return np.dtype(ml_dtypes.bfloat16)
-    raise ValueError(f"unknown wire format {wire!r}; choose one of {', '.join(WIRE_FORMATS)}")
-
-
-_HEAP_STEADY = False
-
-
-def steady_heap() -> None:
-    """Keep the chunk-sized buffers of parameter streams in malloc's heap (once per process).
-
-    Every chunk of an upload or download passes through a few short-lived buffers of its size
-    (Python bytes, protobuf arenas, gRPC slices). glibc serves requests above a moving threshold
-    (128 KiB at start) with fresh mmaps and gives the heap's free top back beyond twice that
-    threshold, so those buffers kept coming back as fresh pages: 45-70 thousand minor page
-    faults, about 0.1 s, per 100 MB transferred (``bench/params.py``). Fixed thresholds keep
-    them in the heap and reuse the same pages: requests below 8 MiB come from the heap, and up
-    to 32 MiB of free heap top is kept. Process-wide; a no-op where malloc is not glibc's.
-    """
-    global _HEAP_STEADY
-    if _HEAP_STEADY:
-        return
-    _HEAP_STEADY = True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None)
-        mallopt = libc.mallopt
-        gnu_get_libc_version = libc.gnu_get_libc_version  # glibc only
-    except (OSError, AttributeError):
-        return
-    del gnu_get_libc_version
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    mallopt(m_mmap_threshold, 8 << 20)
-    mallopt(m_trim_threshold, 32 << 20)
-
-
-def aligned_empty(count: int, dtype: "np.dtype | str" = np.float32) -> np.ndarray:
-    """An uninitialised vector that starts on a page boundary (a private anonymous mapping).
-
-    Staging buffers are page aligned because copies between a page-aligned vector (shared
-    memory) and one that starts a few bytes into a page run several times slower.
-    """
-    dt = np.dtype(dtype)
-    buf = mmap.mmap(-1, max(1, count * dt.itemsize))
-    return np.frombuffer(buf, dtype=dt, count=count)
