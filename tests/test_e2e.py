@@ -46,7 +46,9 @@ def test_two_nodes_two_workers_train_digits(cluster, algorithm):
     n0 = cluster(0, PORT=0, **knobs)
     n1 = cluster(1, PORT=cluster.port_of_node0(), **knobs)
     assert n1.wait(180) == 0, n1.output
+    t_stop = time.monotonic()
     assert n0.wait(60) == 0, n0.output
+    assert time.monotonic() - t_stop < 10, "node 0 took more than a few seconds to stop"
     counter, done = counter_check(cluster.run_dir, [n0, n1])
     print(f"{algorithm}: global counter {counter}, iterations done by the 4 workers {done}")
     assert counter == done == 8000
