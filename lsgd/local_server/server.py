@@ -20,7 +20,7 @@ import os
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -71,12 +71,6 @@ class Report:
     consumed: int = 0
     late: int = 0
     released: int = 0
-
-
-@dataclass
-class RoundResult:
-    finished: bool = False
-    summary: dict = field(default_factory=dict)
 
 
 class LocalServer:

@@ -28,7 +28,6 @@ from ..leader import LossWindow
 from ..local_server import messages as m
 from ..local_server.store import NodeStore
 from ..rules import ops
-from ..rules.base import RoundKind
 from .adapters import ParamAdapter, as_params
 
 log = logging.getLogger(__name__)
@@ -231,4 +230,4 @@ class Worker:
         self._params.write_from(slot)
 
 
-__all__ = ["Worker", "WorkerContext", "LocalServerGone", "RoundKind"]
+__all__ = ["Worker", "WorkerContext", "LocalServerGone"]
