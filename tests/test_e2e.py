@@ -143,6 +143,17 @@ def test_steps_of_a_late_worker_are_counted_once(cluster, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_a_loop_that_ends_early_reports_its_steps_and_the_rest_go_on(cluster, tmp_path):
+    node = cluster(0, PORT=0, ITERATIONS=3000, TOYJOB_QUIT="1:100", TOYJOB_COUNT_DIR=tmp_path, **TOY)
+    assert node.wait(90) == 0, node.output
+    assert "worker 1 left the job: its training loop ended" in node.output
+    s = node.summary()
+    assert s["workers"]["1"] == 100 and s["worker_exit_codes"]["1"] == 0
+    assert global_summary(cluster.run_dir)["counter"] == step_calls(tmp_path) == 3000
+    assert_clean_exit(cluster.run_dir, [node])
+
+
+@pytest.mark.timeout(120)
 def test_a_node_whose_only_worker_is_stuck_does_not_stall_the_job(cluster):
     knobs = dict(NUM_GROUPS=2, WORKERS=1, ROUND_TIMEOUT=1, ITERATIONS=2000, **TOY)
     n0 = cluster(0, PORT=0, TOYJOB_STALL="0:50", **knobs)

@@ -2,6 +2,7 @@
 
 Fault knobs (environment): TOYJOB_DIE="<worker>:<step>" SIGKILLs that worker at that step,
 TOYJOB_STALL="<worker>:<step>[:<seconds>]" makes it sleep there (600 s by default),
+TOYJOB_QUIT="<worker>:<step>" ends that worker's loop early (it returns without being told to),
 TOYJOB_STEP_SECONDS slows each step. With TOYJOB_COUNT_DIR set, each worker writes how many
 times it called ``worker.step`` to ``<dir>/<worker_id>.count`` when its loop ends.
 """
@@ -25,7 +26,7 @@ def main(worker):
     target = np.linspace(-1, 1, x.size, dtype=np.float32)
     worker.register([x], evaluate=lambda: {"accuracy": float(1.0 / (1.0 + np.mean((x - target) ** 2)))})
     delay = float(os.environ.get("TOYJOB_STEP_SECONDS", "0"))
-    die, stall = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL")
+    die, stall, quit_at = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL"), _fault("TOYJOB_QUIT")
     step = 0
     while True:
         step += 1
@@ -38,6 +39,8 @@ def main(worker):
         if delay:
             time.sleep(delay)
         if not worker.step(float(np.mean((x - target) ** 2))):
+            break
+        if (worker.worker_id, step) == quit_at:
             break
     count_dir = os.environ.get("TOYJOB_COUNT_DIR")
     if count_dir:
