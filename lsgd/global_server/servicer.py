@@ -69,11 +69,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
     def tick(self) -> None:
         """Advance time; called by the server's ticker thread and on every request."""
         with self.cond:
-            before = self._state()
-            self.coord.tick(self.clock())
-            self._after_change()
-            if self._state() != before:  # a drop, a start, a stop or a round: wake the polls
-                self.cond.notify_all()
+            self._change(lambda: self.coord.tick(self.clock()))
         self.params.poll()
 
     def _after_change(self) -> None:
@@ -86,6 +82,19 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.cond.notify_all()
         self.params.begin(rnd.id, rnd.kind, rnd.leader_node,
                           {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout)
+
+    def _change(self, fn: Callable[[], object]) -> object:
+        """Run ``fn`` on the state (lock held); wake the long-polls only if it changed something.
+
+        A pass that changes nothing wakes nobody, so waiting polls cannot wake each other in a
+        loop (with 63 idle pollers that loop cost a whole core).
+        """
+        before = self._state()
+        result = fn()
+        self._after_change()
+        if self._state() != before:
+            self.cond.notify_all()
+        return result
 
     def _state(self) -> tuple:
         """What a long-poll can be waiting for: a pass that leaves it unchanged wakes nobody."""
@@ -102,12 +111,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
     def _call(self, context: grpc.ServicerContext, fn: Callable[[], object]) -> object:
         try:
             with self.cond:
-                before = self._state()
-                result = fn()
-                self._after_change()
-                if self._state() != before:  # heartbeats and stream headers change nothing
-                    self.cond.notify_all()
-                return result
+                return self._change(fn)
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)
 
@@ -144,22 +148,15 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         try:
             with self.cond:
                 self._check(node)
-                before = self._state()
                 while True:
-                    grant = self.coord.acquire(node.node_index, node.session, want=request.want,
-                                               last_round_seen=request.last_round_seen,
-                                               now=self.clock(), **counts)
+                    grant = self._change(lambda: self.coord.acquire(
+                        node.node_index, node.session, want=request.want,
+                        last_round_seen=request.last_round_seen, now=self.clock(), **counts))
                     counts = dict(consumed=0, late=0, released=0)  # applied once
-                    self._after_change()
-                    after = self._state()
-                    if after != before:  # a poll that changed nothing must not wake the others
-                        self.cond.notify_all()
-                    before = after
                     left = end - self.clock()
                     if not grant.wait or left <= 0 or not context.is_active():
                         break
                     self.cond.wait(min(left, 0.1))
-                    before = self._state()  # what others changed meanwhile is theirs to announce
                 resp = pb.AcquireCreditsResponse(grant=grant.grant, counter=self.coord.done)
                 if grant.round is not None:
                     resp.round.id = grant.round.id
@@ -177,17 +174,14 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         try:
             with self.cond:
                 self._check(node)
-                out = self.coord.report(node.node_index, node.session, request.round_id, best,
-                                        request.participants, self.clock())
-                self._after_change()  # if this report closed the round, its waiters wake
+                # if this report closes the round, its waiters wake
+                out = self._change(lambda: self.coord.report(
+                    node.node_index, node.session, request.round_id, best,
+                    request.participants, self.clock()))
                 while not out.ready and self.clock() < end and context.is_active():
                     # Woken only when a round closes (the ticker closes it at round_timeout).
                     if not self.closed.wait(0.1):
-                        before = self._state()
-                        self.coord.tick(self.clock())
-                        self._after_change()
-                        if self._state() != before:  # e.g. a node dropped: wake the polls
-                            self.cond.notify_all()
+                        self._change(lambda: self.coord.tick(self.clock()))
                     out = self.coord.outcome(node.node_index, request.round_id)
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)
