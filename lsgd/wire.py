@@ -1,4 +1,4 @@
-"""How parameter chunks travel: wire encodings and the buffers of the transfer path.
+"""How parameter chunks travel: wire encodings, gRPC limits and keepalive, transfer buffers.
 
 Used by both ends of a parameter stream (``lsgd/local_server/global_client.py`` and
 ``lsgd/global_server/params.py``); see ``bench/params.py`` for the measurements behind them.
@@ -11,6 +11,17 @@ import mmap
 import numpy as np
 
 WIRE_FORMATS = ("float32", "bfloat16")  # encodings of parameter chunks on the wire
+
+MAX_MESSAGE = 8 * 1024 * 1024  # bytes; parameter chunks are at most 4 MiB (512 KiB by default)
+# gRPC options both ends use: message limits and keepalive (a dead peer is seen in ~15 s even
+# between calls; nodes also send heartbeats every second).
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE),
+    ("grpc.max_send_message_length", MAX_MESSAGE),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
 
 def wire_dtype(wire: str) -> np.dtype:
     """The numpy dtype of a wire format's chunk elements (little-endian).

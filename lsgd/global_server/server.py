@@ -20,21 +20,16 @@ import grpc
 
 from ..config import JobConfig
 from ..proto import lsgd_pb2_grpc as pb_grpc
+from ..wire import GRPC_OPTIONS
 from .coordinator import Coordinator, Schedule
 from .params import ParamStore
 from .servicer import GlobalServicer
 
 log = logging.getLogger(__name__)
 
-MAX_MESSAGE = 8 * 1024 * 1024  # bytes; parameter chunks are at most 4 MiB (512 KiB by default)
-GRPC_OPTIONS = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE),
-    ("grpc.max_send_message_length", MAX_MESSAGE),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.so_reuseport", 0),
+SERVER_OPTIONS = GRPC_OPTIONS + [
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # accept the clients' keepalive
+    ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
 ]
 
 
@@ -61,7 +56,7 @@ def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64)
     """
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="lsgd-global"),
-                         options=GRPC_OPTIONS, interceptors=[servicer.calls])
+                         options=SERVER_OPTIONS, interceptors=[servicer.calls])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
     try:
         port = server.add_insecure_port(address)

@@ -18,7 +18,7 @@ import numpy as np
 from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
-from ..wire import aligned_empty, steady_heap, wire_dtype
+from ..wire import GRPC_OPTIONS, aligned_empty, steady_heap, wire_dtype
 
 log = logging.getLogger(__name__)
 
@@ -27,14 +27,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 17  # upload
 PULL_CHUNK = 1 << 17  # download, asked of the server
 RPC_TIMEOUT = 10.0  # seconds for short calls
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 8 * 1024 * 1024),
-    ("grpc.max_send_message_length", 8 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.enable_retries", 0),
-]
+CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.enable_retries", 0)]  # retries are ours, explicit
 WIRE_FORMATS = {"float32": pb.WIRE_FORMAT_UNSPECIFIED, "bfloat16": pb.WIRE_FORMAT_BFLOAT16}
 BUFFER_KINDS = {"global_leader": pb.BUFFER_KIND_GLOBAL_LEADER, "center": pb.BUFFER_KIND_CENTER,
                 "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE}
