@@ -8,6 +8,7 @@ node shared memory and the server in raw float32 chunks (no full-size copies).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -267,8 +268,6 @@ class Heartbeat:
     """
 
     def __init__(self, client: GlobalClient, interval: float, give_up: float) -> None:
-        import threading
-
         self.client, self.interval, self.give_up = client, interval, give_up
         self.fatal: str | None = None
         self._stop = threading.Event()
