@@ -170,6 +170,10 @@ def test_global_server_exits_when_node0_is_killed(cluster):
 
     node = cluster(0, PORT=0, ITERATIONS=10**9, TOYJOB_STEP_SECONDS="0.001", **TOY)
     port = cluster.port_of_node0()
+    metrics = cluster.run_dir / "node0" / "metrics.csv"
+    end = time.monotonic() + 30  # kill a running node, not one half way through its start-up
+    while not (metrics.exists() and metrics.stat().st_size) and time.monotonic() < end:
+        time.sleep(0.05)
     node.proc.send_signal(signal.SIGKILL)
     end = time.monotonic() + 15
     while time.monotonic() < end:
