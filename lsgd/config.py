@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +52,10 @@ class JobConfig:
     seed: int = _f(0, "random seed (model init is shared; data order differs per worker)")
     run_dir: str = _f("runs/lsgd", "output directory; each node writes RUN_DIR/node<i>/")
     job_id: str = _f("lsgd", "job name; every node must use the same one")
-    entry: str = _f("lsgd.jobs.digits_mlp:main", "worker function, module:function")
+    entry: str = _f("lsgd.jobs.digits_mlp:main", "the user's training code: package.module:function, "
+                    "or path/to/script.py followed by its arguments")
+    eval_every: int = _f(0, "evaluate leader, worker average and center at the first global round "
+                         "after every this many iterations of the job (0: at the end only)")
     wire: str = _f("float32", "parameter encoding between nodes and the global server: float32 | "
                    "bfloat16 (half the bytes, ~3 significant digits; needs lsgd[bf16])")
     round_timeout: float = _f(30.0, "seconds a round waits for late workers or nodes")
@@ -102,8 +107,17 @@ class JobConfig:
         need(self.minutes is None or self.minutes > 0, f"minutes must be > 0, got {self.minutes}")
         need(re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", self.job_id) is not None,
              f"job_id '{self.job_id}' must be 1-64 letters, digits, '_', '.' or '-'")
-        need(re.fullmatch(r"[\w.]+:\w+", self.entry) is not None,
-             f"entry '{self.entry}' must look like package.module:function")
+        if is_script(self.entry):
+            try:
+                script = shlex.split(self.entry)[0]
+            except ValueError as exc:
+                raise ConfigError(f"entry '{self.entry}': {exc}") from None
+            need(os.path.isfile(script), f"entry script '{script}' not found (relative paths "
+                 f"start in the directory train.sh runs in: {os.getcwd()})")
+        else:
+            need(re.fullmatch(r"[\w.]+:\w+", self.entry) is not None,
+                 f"entry '{self.entry}' must be package.module:function or path/to/script.py")
+        need(self.eval_every >= 0, f"eval_every must be >= 0 iterations, got {self.eval_every}")
         need(self.wire in ("float32", "bfloat16"),
              f"wire '{self.wire}' is unknown; choose float32 or bfloat16")
         if self.wire == "bfloat16":
@@ -138,6 +152,12 @@ class JobConfig:
 
     def replace(self, **changes: Any) -> "JobConfig":
         return dataclasses.replace(self, **changes)
+
+
+def is_script(entry: str) -> bool:
+    """True when ``entry`` names a script (``*.py``, optionally followed by its arguments)."""
+    first = entry.strip().split(maxsplit=1)
+    return bool(first) and first[0].strip("'\"").endswith(".py")
 
 
 def fields() -> list[dataclasses.Field]:

@@ -29,11 +29,11 @@ class LossWindow:
         if size < 1:
             raise ValueError(f"avg_size must be >= 1, got {size}")
         self.size = size
-        self._losses: deque[float] = deque(maxlen=size)
+        self._losses: deque = deque(maxlen=size)
 
-    def add(self, loss: float) -> None:
-        """Record one minibatch loss."""
-        self._losses.append(float(loss))
+    def add(self, loss: object) -> None:
+        """Record one minibatch loss: a float, or a framework scalar read only when needed."""
+        self._losses.append(loss)
 
     def reset(self) -> None:
         """Forget every loss (the parameters changed, so old losses no longer describe them)."""
@@ -42,12 +42,14 @@ class LossWindow:
     @property
     def eligible(self) -> bool:
         """True when the window is full and holds only finite losses."""
-        return len(self._losses) == self.size and all(map(math.isfinite, self._losses))
+        return len(self._losses) == self.size and all(math.isfinite(float(x)) for x in self._losses)
 
     @property
     def estimate(self) -> float:
         """Mean of the window; NaN when not eligible."""
-        return math.fsum(self._losses) / self.size if self.eligible else math.nan
+        if not self.eligible:
+            return math.nan
+        return math.fsum(float(x) for x in self._losses) / self.size
 
 
 def elect(candidates: Iterable[Candidate]) -> Candidate | None:

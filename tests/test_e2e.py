@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 import signal
@@ -108,6 +109,11 @@ def test_stuck_worker_is_left_out_of_rounds_and_the_rest_go_on(cluster):
     assert_clean_exit(cluster.run_dir, [node])
 
 
+def metric_rows(path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def step_calls(count_dir) -> int:
     """Steps the workers really took (each toyjob worker writes its count at the end)."""
     return sum(int(p.read_text()) for p in count_dir.glob("*.count"))
@@ -120,13 +126,12 @@ def test_slow_but_healthy_workers_are_not_taken_for_stuck(cluster, tmp_path):
                    TOYJOB_COUNT_DIR=tmp_path, **TOY)
     assert node.wait(90) == 0, node.output
     assert "releasing" not in node.output and "missed" not in node.output
-    rows = (cluster.run_dir / "node0" / "metrics.csv").read_text().splitlines()[1:]
-    by_round: dict[str, list[str]] = {}
-    for r in rows:
-        f = r.split(",")
-        by_round.setdefault(f[0], []).append(f)
+    by_round: dict[str, list[dict]] = {}
+    for r in metric_rows(cluster.run_dir / "node0" / "metrics.csv"):
+        if r["kind"] != "eval":
+            by_round.setdefault(r["round"], []).append(r)
     for rnd in by_round.values():  # each round falls exactly on its boundary of the global total
-        assert sum(int(f[5]) for f in rnd) == int(rnd[0][2])
+        assert sum(int(r["worker_iterations"]) for r in rnd) == int(rnd[0]["iteration"])
     assert global_summary(cluster.run_dir)["counter"] == step_calls(tmp_path) == 640
 
 

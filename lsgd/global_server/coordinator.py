@@ -91,6 +91,7 @@ class RoundState:
     closed: bool = False
     leader: Candidate | None = None
     leader_node: int | None = None
+    evaluate: bool = False  # nodes upload their sums so that node 0 can evaluate the average
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class RoundOutcome:
     leader_node: int | None = None
     participants: int = 0
     nodes: tuple[int, ...] = ()
+    evaluate: bool = False
 
 
 class Coordinator:
@@ -120,7 +122,7 @@ class Coordinator:
     def __init__(self, *, job_id: str, algorithm: str, num_groups: int, workers: int,
                  schedule: Schedule, max_seconds: float | None, node_timeout: float,
                  round_timeout: float, join_timeout: float, now: float,
-                 rng: random.Random | None = None) -> None:
+                 eval_every: int = 0, rng: random.Random | None = None) -> None:
         self.job_id, self.algorithm = job_id, algorithm
         self.num_groups, self.workers = num_groups, workers
         self.schedule = schedule
@@ -137,6 +139,8 @@ class Coordinator:
         self.target, self.target_kind = schedule.next_event(0)
         self.round: RoundState | None = None  # newest round
         self.rounds_opened = 0
+        self.eval_every = eval_every
+        self.next_eval = eval_every  # counter value from which the next global round evaluates
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -294,6 +298,9 @@ class Coordinator:
         self.rounds_opened += 1
         self.round = RoundState(self.rounds_opened, self.target_kind, self.target, now,
                                 expected={n.index for n in self.live_nodes})
+        if self.eval_every and self.target_kind == RoundKind.GLOBAL and self.target >= self.next_eval:
+            self.round.evaluate = True
+            self.next_eval = (self.target // self.eval_every + 1) * self.eval_every
         log.debug("round %d (%s) at %d", self.round.id, self.round.kind.name, self.target)
         if self.target_kind != RoundKind.FINAL:
             self.period_start = self.target
@@ -359,7 +366,7 @@ class Coordinator:
             return RoundOutcome(ready=False)
         return RoundOutcome(ready=True, leader=rnd.leader, leader_node=rnd.leader_node,
                             participants=sum(p for _, p in rnd.reports.values()),
-                            nodes=tuple(sorted(rnd.reports)))
+                            nodes=tuple(sorted(rnd.reports)), evaluate=rnd.evaluate)
 
     def snapshot(self) -> dict:
         """A JSON-able summary of the state (for logs and the run summary)."""

@@ -45,6 +45,7 @@ class Exchange:
     in_flight: set[tuple[int, str]] = field(default_factory=set)  # uploads being received
     leader_ok: bool = False
     summands: int = 0
+    average: bool = False  # the sums make an average (final and evaluation rounds)
     sums_ok: bool = True
     settled: bool = False
     failed: list[str] = field(default_factory=list)
@@ -83,26 +84,29 @@ class ParamStore:
 
     # ------------------------------------------------------------------ exchange
     def begin(self, round_id: int, kind: RoundKind, leader_node: int | None,
-              reports: dict[int, int], timeout: float) -> None:
+              reports: dict[int, int], timeout: float, average: bool = False) -> None:
         """Start the exchange of a closed global/final round.
 
         Args:
             reports: node index -> participants, for every node that reported in time.
+            average: every node uploads its sum, to be averaged (a round that evaluates).
         """
+        average = average or kind == RoundKind.FINAL
         expected: set[tuple[int, str]] = set()
         # The leader's upload serves the other nodes: with a single node in the round it stays
         # home (except at the end, when the final leader is kept for evaluation).
         if leader_node is not None and (kind == RoundKind.FINAL or (
                 self.rule.exchange == ExchangeKind.LEADER and len(reports) > 1)):
             expected.add((leader_node, LEADER))
-        if kind == RoundKind.FINAL or self.rule.exchange == ExchangeKind.CENTER:
+        if average or self.rule.exchange == ExchangeKind.CENTER:
             expected |= {(n, SUM) for n, p in reports.items() if p > 0}
         with self._cond:
             if self.exchange is not None and self.exchange.round_id >= round_id:
                 return
             if any(b == SUM for _, b in expected) and self.param_count:
                 self.buffers[SUM].fill(0.0)
-            self.exchange = Exchange(round_id, kind, expected, self.clock() + timeout)
+            self.exchange = Exchange(round_id, kind, expected, self.clock() + timeout,
+                                     average=average)
             self._maybe_settle()
             self._cond.notify_all()
 
@@ -121,7 +125,7 @@ class ParamStore:
         if ex.sums_ok and ex.summands > 0:
             if ex.kind == RoundKind.GLOBAL and self.rule.exchange == ExchangeKind.CENTER:
                 self.rule.update_center_(self.buffers[CENTER], self.buffers[SUM], ex.summands)
-            elif ex.kind == RoundKind.FINAL:
+            if ex.average:
                 ops.scale_(self.buffers[SUM], 1.0 / ex.summands)  # SUM now holds the average
         self._cond.notify_all()
 
@@ -272,7 +276,7 @@ class ParamStore:
             return f"round {round_id} uploads are still arriving"
         if buffer == LEADER and not ex.leader_ok:
             return f"!round {round_id} has no global leader ({'; '.join(ex.failed) or 'no eligible worker'})"
-        if buffer == AVERAGE and not (ex.kind == RoundKind.FINAL and ex.sums_ok and ex.summands):
+        if buffer == AVERAGE and not (ex.average and ex.sums_ok and ex.summands):
             return f"!round {round_id} has no average"
         return None
 

@@ -45,7 +45,7 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
                         num_groups=config.num_groups, workers=config.workers, schedule=schedule,
                         max_seconds=config.minutes * 60 if config.minutes else None,
                         node_timeout=config.node_timeout, round_timeout=config.round_timeout,
-                        join_timeout=config.join_timeout, now=now)
+                        join_timeout=config.join_timeout, now=now, eval_every=config.eval_every)
     return GlobalServicer(coord, ParamStore(rule), config.round_timeout)
 
 

@@ -81,7 +81,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.closed.notify_all()
         self.cond.notify_all()
         self.params.begin(rnd.id, rnd.kind, rnd.leader_node,
-                          {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout)
+                          {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout,
+                          average=rnd.evaluate)
 
     def _change(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the state (lock held); wake the long-polls only if it changed something.
@@ -188,7 +189,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         if not out.ready:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.round_id} did not close")
         resp = pb.ReportRoundResponse(missed=out.missed, participants=out.participants,
-                                      nodes=list(out.nodes))
+                                      nodes=list(out.nodes), evaluate=out.evaluate)
         if out.leader is not None:
             resp.has_leader = True
             resp.leader.worker_id = out.leader.worker_id

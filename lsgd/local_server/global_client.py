@@ -54,6 +54,7 @@ class RoundAnswer:
     leader_node: int | None
     participants: int
     nodes: tuple[int, ...]
+    evaluate: bool = False
 
 
 class GlobalClient:
@@ -118,7 +119,7 @@ class GlobalClient:
         resp = self._stub.ReportRound(req, timeout=self.round_timeout + RPC_TIMEOUT)
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
         return RoundAnswer(resp.missed, leader, resp.leader_node if resp.has_leader else None,
-                           resp.participants, tuple(resp.nodes))
+                           resp.participants, tuple(resp.nodes), resp.evaluate)
 
     def leave(self, consumed: int, late: int) -> int:
         return self._stub.Leave(pb.LeaveRequest(node=self._node(), consumed=consumed,

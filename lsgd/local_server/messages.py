@@ -1,7 +1,7 @@
 """Messages between workers and their local server over multiprocessing queues.
 
 Workers share one inbox to the local server; each worker has its own reply queue. Every message
-names the worker by its local index. Parameters never travel in messages: they move through node
+names the worker by its local index (``EVALUATOR`` for node 0's evaluator process). Parameters never travel in messages: they move through node
 shared memory (``store.py``).
 """
 
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .store import StoreLayout
+
+EVALUATOR = -1  # the local index of the evaluator process
 
 # ---------------------------------------------------------------- worker -> local server
 
@@ -20,6 +22,7 @@ class Hello:
 
     local: int
     param_count: int
+    stats_count: int = 0  # trailing entries averaged over round participants, not pulled
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,18 @@ class Done:
 
 
 @dataclass(frozen=True)
+class Loaded:
+    """The evaluator copied the buffers of ``round_id``; the node may overwrite them."""
+
+    local: int
+    round_id: int
+
+
+@dataclass(frozen=True)
 class EvalResult:
     local: int
+    round_id: int
+    iteration: int
     metrics: dict[str, dict[str, float]]  # buffer name -> metric -> value
 
 
@@ -116,13 +129,16 @@ class Pull:
     round_id: int
     pulls: tuple[tuple[str, float], ...]
     reset_window: bool
+    stats_averaged: bool = False  # the slot's statistics now hold the participants' mean
 
 
 @dataclass(frozen=True)
 class Evaluate:
-    """Load each named buffer in turn and evaluate it."""
+    """Load each named buffer in turn and evaluate it (the evaluator first copies them all)."""
 
     buffers: tuple[str, ...]
+    round_id: int = 0
+    iteration: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,9 @@
-"""The per-node metrics CSV: one row per worker and round."""
+"""The per-node metrics CSV: one row per worker and round, and one per evaluated metric.
+
+Round rows fill ``round`` .. ``pull_center``. Evaluation rows (node 0 only) have kind ``eval``
+and fill ``target`` (leader | average | center), ``metric`` and ``value``, with ``worker_id``
+naming the leader that was evaluated.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,8 @@ import math
 from pathlib import Path
 
 COLUMNS = ["round", "kind", "iteration", "time_s", "worker_id", "worker_iterations", "loss",
-           "local_leader", "global_leader", "pull_local", "pull_global", "pull_center"]
+           "local_leader", "global_leader", "pull_local", "pull_global", "pull_center",
+           "target", "metric", "value"]
 
 
 class MetricsWriter:

@@ -8,6 +8,10 @@ center parameters with the global server, tell every participant what to pull.
 Every wait is bounded: a worker that misses a round's deadline is left out of it (and logged);
 a worker holding credits silently for ``round_timeout`` has them released so the job's rounds
 still happen; a dead worker is noticed within ``POLL`` seconds.
+
+With ``eval_every``, node 0 also runs an *evaluator*: one more process that builds the user's
+model but never trains. At an evaluation round it copies the leader, average and center buffers
+(the node waits only for that copy) and evaluates them while the workers train on.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 from ..config import JobConfig
 from ..leader import Candidate, elect
@@ -43,6 +48,7 @@ START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
 STOP_GRACE = 5.0  # seconds workers get to exit after Stop before they are terminated
 IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is waiting
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
+EVAL_NAMES = {GLOBAL_LEADER: "leader", SUM: "average", CENTER: "center"}  # in metrics and summary
 
 
 class NodeError(RuntimeError):
@@ -62,6 +68,21 @@ class WorkerState:
     absent: bool = False  # missed a round; rounds do not wait for it until it is heard from
     gone: bool = False
     error: str | None = None
+
+
+@dataclass
+class Evaluator:
+    """Node 0's evaluator process."""
+
+    proc: mp.process.BaseProcess
+    replies: object
+    hello: m.Hello | None = None  # its Hello, until the node's store exists
+    ready: bool = False  # attached to the store, waiting for work
+    busy: int = 0  # round being evaluated (0: idle)
+    loading: int = 0  # round whose buffers it is copying (0: none)
+    gone: bool = False
+    done: int = 0  # evaluations finished
+    skipped: int = 0  # evaluation rounds skipped because it was still busy
 
 
 @dataclass
@@ -104,6 +125,9 @@ class LocalServer:
         self.metrics = MetricsWriter(self.dir / "metrics.csv")
         self.summary: dict = {}
         self.layout_name: str | None = None
+        self.stats_count = 0  # trailing statistics entries, averaged over round participants
+        self.eval_leader: dict[int, int | None] = {}  # round -> leader id being evaluated
+        self.evaluator: Evaluator | None = None
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -137,32 +161,42 @@ class LocalServer:
                 "(is node 0 running? check IP_ADDR and PORT)") from None
 
     def _start_workers(self) -> None:
+        # Workers share the node's cores: numeric libraries must not each start one thread per
+        # core (PyTorch, OpenBLAS). The user's own OMP_NUM_THREADS wins.
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.workers)))
         for i in range(self.cfg.workers):
-            replies = self.mp.Queue()
-            ctx = WorkerContext(self.cfg, i, self.inbox, replies, os.getpid(), self.beat)
-            proc = self.mp.Process(target=worker_main, args=(ctx, self.log_level),
-                                   name=f"lsgd-worker-{self.cfg.worker_id(i)}", daemon=True)
-            proc.start()
+            proc, replies = self._spawn(i, evaluator=False, name=f"worker-{self.cfg.worker_id(i)}")
             self.workers.append(WorkerState(i, self.cfg.worker_id(i), proc, replies, time.monotonic()))
+        if self.cfg.eval_every and self.cfg.node_index == 0:
+            self.evaluator = Evaluator(*self._spawn(m.EVALUATOR, evaluator=True, name="evaluator"))
+
+    def _spawn(self, local: int, evaluator: bool, name: str) -> tuple[mp.process.BaseProcess, object]:
+        replies = self.mp.Queue()
+        ctx = WorkerContext(self.cfg, local, self.inbox, replies, os.getpid(), self.beat, evaluator)
+        proc = self.mp.Process(target=worker_main, args=(ctx, self.log_level), name=f"lsgd-{name}",
+                               daemon=True)
+        proc.start()
+        return proc, replies
 
     def _shutdown(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        for w in self.workers:
+        procs = [w for w in self.workers] + ([self.evaluator] if self.evaluator else [])
+        for w in procs:
             if w.proc.is_alive():
                 self._send(w, m.Stop("node shutting down"))
         end = time.monotonic() + (0.5 if self.stopping else STOP_GRACE)  # stopping: waited already
-        for w in self.workers:
+        for w in procs:
             w.proc.join(max(0.0, end - time.monotonic()))
-        for w in self.workers:
+        for w in procs:
             if w.proc.is_alive():
-                log.warning("worker %d did not stop in %g s; terminating", w.worker_id, STOP_GRACE)
+                log.warning("%s did not stop in %g s; terminating", w.proc.name, STOP_GRACE)
                 w.proc.terminate()
                 w.proc.join(2.0)
                 if w.proc.is_alive():
                     w.proc.kill()
                     w.proc.join(2.0)
-        for q in [self.inbox] + [w.replies for w in self.workers]:
+        for q in [self.inbox] + [w.replies for w in procs]:
             q.cancel_join_thread()
             q.close()
         if self.store is not None:
@@ -172,7 +206,11 @@ class LocalServer:
         self.client.close()
         self.summary.setdefault("node", self.cfg.node_index)
         self.summary["workers"] = {w.worker_id: w.iterations for w in self.workers}
-        self.summary["pids"] = [os.getpid()] + [w.proc.pid for w in self.workers]
+        self.summary["pids"] = [os.getpid()] + [w.proc.pid for w in procs]
+        if self.evaluator is not None:
+            self.summary["evaluator"] = {"evaluations": self.evaluator.done,
+                                         "skipped": self.evaluator.skipped,
+                                         "exit_code": self.evaluator.proc.exitcode}
         self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
         self.summary["shm"] = self.layout_name
         self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
@@ -181,7 +219,7 @@ class LocalServer:
         os.replace(tmp, self.dir / "summary.json")
 
     # ------------------------------------------------------------------ messaging
-    def _send(self, w: WorkerState, msg: object) -> None:
+    def _send(self, w: WorkerState | Evaluator, msg: object) -> None:
         try:
             w.replies.put(msg)
         except (ValueError, OSError):  # queue closed during shutdown
@@ -214,6 +252,9 @@ class LocalServer:
                 self.report.released += w.outstanding
                 w.outstanding = 0
                 w.released = True
+        ev = self.evaluator
+        if ev is not None and not ev.gone and ev.proc.exitcode is not None:
+            self._evaluator_gone(f"process exited with code {ev.proc.exitcode}")
         if not self._live() and not self.stopping:
             errors = [w.error for w in self.workers if w.error]
             raise NodeError(f"no worker left on this node; first error: {errors[0] if errors else '?'}")
@@ -226,6 +267,9 @@ class LocalServer:
             msg = self.inbox.get(timeout=timeout)
         except queue.Empty:
             self._check_workers()
+            return None
+        if msg.local == m.EVALUATOR:
+            self._from_evaluator(msg)
             return None
         w = self.workers[msg.local]
         w.last_contact = time.monotonic()
@@ -270,18 +314,20 @@ class LocalServer:
                 raise NodeError(f"workers did not start within {START_TIMEOUT:g} s")
             msg = self._recv()
             if isinstance(msg, m.Hello):
-                counts[msg.local] = msg.param_count
+                counts[msg.local] = (msg.param_count, msg.stats_count)
         sizes = set(counts.values())
         if len(sizes) != 1:
-            raise NodeError(f"workers built models of different sizes {sorted(sizes)}; every "
-                            "worker must build the same model")
-        (param_count,) = sizes
+            raise NodeError(f"workers built models of different sizes {sorted(sizes)} (parameters, "
+                            "statistics); every worker must build the same model")
+        ((param_count, self.stats_count),) = sizes
         layout = StoreLayout.new(self.cfg.job_id, self.cfg.node_index, param_count, self.cfg.workers,
                                  self.rule.node_buffers)
         self.store = NodeStore.create(layout)
         self.layout_name = layout.name
         for w in self._live():
             self._send(w, m.Setup(layout))
+        if self.evaluator is not None and self.evaluator.hello is not None:
+            self._from_evaluator(self.evaluator.hello)
         resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
                                 algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
                                 connect_timeout=self.cfg.connect_timeout)
@@ -402,26 +448,34 @@ class LocalServer:
         if best is not None and LOCAL_LEADER in self.store.layout.buffers:
             ops.copy_(self.store.buffer(LOCAL_LEADER), self.store.slot(local_of[best.worker_id]))
         if kind == RoundKind.FINAL:
-            return self._final_round(rid, joins, best, local_of)
+            return self._final_round(rid, ans.round_iteration, joins, best, local_of)
         center = self.rule.exchange == Exchange.CENTER and kind == RoundKind.GLOBAL
         if center and joins:
             ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
         answer = self._report(rid, best, len(joins))
-        global_leader, upload = None, False
-        if kind == RoundKind.GLOBAL and self.rule.exchange == Exchange.LEADER and answer and answer.leader:
+        evaluate = bool(answer and answer.evaluate and not answer.missed)
+        global_leader, upload, have_leader = None, False, False
+        if kind == RoundKind.GLOBAL and answer and answer.leader and (
+                self.rule.exchange == Exchange.LEADER or evaluate):
             lead = answer.leader.worker_id
             if answer.leader_node == self.cfg.node_index:
                 ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[lead]))
-                global_leader, upload = lead, len(answer.nodes) > 1  # see ParamStore.begin
-            elif self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid):
+                # see ParamStore.begin: which leader uploads the server expects
+                upload, have_leader = evaluate or len(answer.nodes) > 1, True
+            elif self.rule.exchange == Exchange.LEADER:
+                have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+            if self.rule.exchange == Exchange.LEADER and have_leader:
                 global_leader = lead
+        if evaluate and not center and joins:  # after the leader download, which stages in SUM
+            ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
+        averaged = self._average_stats(joins)
         for i in joins:
             roles = RoundRoles(self.workers[i].worker_id, best.worker_id if best else None,
                                global_leader, self.multi_node)
-            self._send(self.workers[i], m.Pull(rid, tuple(self.rule.pulls(kind, roles)), True))
+            self._send(self.workers[i], m.Pull(rid, tuple(self.rule.pulls(kind, roles)), True, averaged))
         if upload:
             self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)
-        if center and joins and answer and not answer.missed:
+        if (center or evaluate) and joins and answer and not answer.missed:
             self._push(SUM, SUM, rid, summands=len(joins))
         dones = self._collect_dones(rid, set(joins))
         if center and answer and not answer.missed:
@@ -429,6 +483,11 @@ class LocalServer:
                 self._pull(CENTER, CENTER, rid)
             else:  # a late worker may still read the old center: keep it one more round
                 log.warning("round %d: keeping the old center until late workers finish", rid)
+        if evaluate and self.cfg.node_index == 0:
+            if answer.leader and not have_leader:  # EASGD: the leader came from another node
+                have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+            self._periodic_evaluation(rid, ans.round_iteration, answer,
+                                      answer.leader.worker_id if have_leader else None)
         now = round(time.monotonic() - self.t0, 4)
         self.metrics.rows([{
             "round": rid, "kind": kind.name.lower(), "iteration": ans.round_iteration, "time_s": now,
@@ -439,6 +498,103 @@ class LocalServer:
             "pull_global": dones.get(i, {}).get(GLOBAL_LEADER),
             "pull_center": dones.get(i, {}).get(CENTER)} for i, j in joins.items()])
         return False
+
+    def _average_stats(self, joins: dict[int, m.Join]) -> bool:
+        """Set every participant's statistics (the slot's tail) to their mean over ``joins``."""
+        assert self.store is not None
+        if not self.stats_count or not joins:
+            return False
+        tails = [self.store.slot(i)[-self.stats_count:] for i in joins]
+        mean = np.mean(tails, axis=0, dtype=np.float64).astype(np.float32)
+        for tail in tails:
+            tail[:] = mean
+        return True
+
+    # ------------------------------------------------------------------ evaluation
+    def _periodic_evaluation(self, rid: int, iteration: int, answer, leader: int | None) -> None:
+        """Hand this round's leader / average / center to the evaluator; wait for its copy only."""
+        ev = self.evaluator
+        if ev is None or ev.gone or not ev.ready:
+            return
+        if ev.busy:
+            ev.skipped += 1
+            log.info("round %d: evaluator still busy with round %d; skipping this evaluation",
+                     rid, ev.busy)
+            return
+        names = [GLOBAL_LEADER] if leader is not None else []
+        if self.rule.exchange == Exchange.CENTER:
+            names.append(CENTER)
+        if self._pull(SUM, "average", rid):  # last: downloads stage in SUM
+            names.append(SUM)
+        if not names:
+            return
+        ev.busy = ev.loading = rid
+        self.eval_leader[rid] = leader
+        self._send(ev, m.Evaluate(tuple(names), rid, iteration))
+        end = time.monotonic() + self.cfg.round_timeout
+        while ev.loading and not ev.gone and time.monotonic() < end:
+            msg = self._recv()
+            if msg is not None:
+                self._dispatch(msg)
+        if ev.loading:
+            self._evaluator_gone(f"did not copy the buffers of round {rid} in "
+                                 f"{self.cfg.round_timeout:g} s")
+
+    def _from_evaluator(self, msg: object) -> None:
+        ev = self.evaluator
+        if ev is None or ev.gone:
+            return
+        if isinstance(msg, m.Hello):
+            if self.store is None:
+                ev.hello = msg  # answered once the workers have fixed the model size
+            elif (msg.param_count, msg.stats_count) != (self.store.layout.param_count, self.stats_count):
+                self._evaluator_gone(f"built a model of {msg.param_count} parameters, the workers "
+                                     f"{self.store.layout.param_count}")
+            else:
+                self._send(ev, m.Setup(self.store.layout))
+                ev.ready = True
+        elif isinstance(msg, m.Loaded):
+            ev.loading = 0
+        elif isinstance(msg, m.EvalResult):
+            ev.busy = 0
+            ev.done += 1
+            self._eval_rows(msg.round_id, msg.iteration, msg.metrics,
+                            self.eval_leader.pop(msg.round_id, None))
+        elif isinstance(msg, m.Failed):
+            if msg.trace:
+                log.error("evaluator failed: %s\n%s", msg.error, msg.trace.rstrip())
+            self._evaluator_gone(msg.error)
+
+    def _evaluator_gone(self, why: str) -> None:
+        ev = self.evaluator
+        if ev is None or ev.gone:
+            return
+        ev.gone = True
+        if ev.proc.is_alive():
+            self._send(ev, m.Stop("evaluator dropped"))
+        if not self.stopping:
+            log.error("evaluator: %s; periodic evaluation is off for the rest of the job", why)
+
+    def _eval_rows(self, rid: int, iteration: int, metrics: dict, leader: int | None) -> None:
+        now = round(time.monotonic() - self.t0, 4)
+        self.metrics.rows([{"round": rid, "kind": "eval", "iteration": iteration, "time_s": now,
+                            "worker_id": leader if name == GLOBAL_LEADER else None,
+                            "target": EVAL_NAMES[name], "metric": key, "value": value}
+                           for name, values in metrics.items() for key, value in values.items()])
+
+    def _finish_evaluator(self) -> None:
+        """Wait (bounded) for an evaluation in progress, then stop the evaluator."""
+        ev = self.evaluator
+        if ev is None or ev.gone:
+            return
+        end = time.monotonic() + max(60.0, 2 * self.cfg.round_timeout)
+        while ev.busy and not ev.gone and time.monotonic() < end:
+            msg = self._recv()
+            if msg is not None:
+                self._dispatch(msg)
+        if ev.busy:
+            log.warning("evaluation of round %d did not finish; stopping the evaluator", ev.busy)
+        self._send(ev, m.Stop("job finished"))
 
     def _collect_joins(self, rid: int, kind: RoundKind) -> dict[int, m.Join]:
         for i in self.pending:
@@ -524,7 +680,7 @@ class LocalServer:
             log.warning("round %d: download of %s failed: %s", rid, kind, details)
             return False
 
-    def _final_round(self, rid: int, joins: dict[int, m.Join], best: Candidate | None,
+    def _final_round(self, rid: int, iteration: int, joins: dict[int, m.Join], best: Candidate | None,
                      local_of: dict[int, int]) -> bool:
         assert self.store is not None
         if joins:
@@ -550,7 +706,10 @@ class LocalServer:
                 evaluate.append(CENTER)
             if self._pull(SUM, "average", rid):
                 evaluate.append(SUM)
-            self.summary["evaluation"] = self._evaluate(min(joins), tuple(evaluate))
+            self.summary["evaluation"] = self._evaluate(min(joins), tuple(evaluate), rid,
+                                                        iteration,
+                                                        answer.leader.worker_id if answer.leader else None)
+        self._finish_evaluator()
         self._stop_workers()
         r, self.report = self.report, Report()
         self.summary["counter"] = self.client.leave(r.consumed, r.late)
@@ -574,14 +733,16 @@ class LocalServer:
             elif msg is None and self.inbox.empty():
                 break
 
-    def _evaluate(self, local: int, buffers: tuple[str, ...]) -> dict:
-        names = {GLOBAL_LEADER: "leader", SUM: "average", CENTER: "center"}
+    def _evaluate(self, local: int, buffers: tuple[str, ...], rid: int, iteration: int,
+                  leader: int | None) -> dict:
+        """The final evaluation, by a worker (training is over)."""
         w = self.workers[local]
-        self._send(w, m.Evaluate(buffers))
+        self._send(w, m.Evaluate(buffers, rid, iteration))
         end = time.monotonic() + max(60.0, 2 * self.cfg.round_timeout)
         while time.monotonic() < end and not w.gone:
             msg = self._recv()
             if isinstance(msg, m.EvalResult):
-                return {names[k]: v for k, v in msg.metrics.items()}
+                self._eval_rows(rid, iteration, msg.metrics, leader)
+                return {EVAL_NAMES[k]: v for k, v in msg.metrics.items()}
         log.warning("evaluation by worker %d did not finish", w.worker_id)
         return {}

@@ -145,20 +145,22 @@ class ReportRoundRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
-    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes")
+    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes", "evaluate")
     MISSED_FIELD_NUMBER: _ClassVar[int]
     HAS_LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_NODE_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
+    EVALUATE_FIELD_NUMBER: _ClassVar[int]
     missed: bool
     has_leader: bool
     leader: Candidate
     leader_node: int
     participants: int
     nodes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ...) -> None: ...
+    evaluate: bool
+    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("node", "round_id", "buffer", "param_count", "summands", "wire_format")

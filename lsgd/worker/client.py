@@ -1,12 +1,16 @@
 """The client a training loop uses to be an lsgd worker.
 
-Typical loop (the local server starts the process and calls ``entry(worker)``)::
+An existing loop becomes a worker with a few added lines (the local server starts the process
+and runs the user's script or function in it)::
 
-    def main(worker):
-        model = build_model(seed=worker.config.seed)
-        worker.register(model.params, evaluate=lambda: {"accuracy": model.accuracy(xt, yt)})
-        while worker.step(model.train_step(*next(batches))):
-            pass
+    import lsgd
+    worker = lsgd.connect()
+    worker.register(model.params, evaluate=lambda: {"accuracy": model.accuracy(xt, yt)})
+    for xb, yb in batches:
+        loss = model.train_step(xb, yb)
+        if not worker.step(loss):
+            break
+    worker.close()
 
 ``step(loss)`` costs a counter decrement on most iterations: the worker holds *credits* (steps
 it may take before asking again) granted by its local server. When they run out it asks for
@@ -22,6 +26,8 @@ import queue
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import numpy as np
 
 from ..config import JobConfig
 from ..leader import LossWindow
@@ -49,6 +55,14 @@ class WorkerContext:
     replies: Any  # this worker's reply queue
     parent_pid: int
     beat: Any  # shared double: the local server's loop writes time.time() into it as it runs
+    evaluator: bool = False  # the node's evaluator: builds the model, never trains
+
+
+class EvaluatorDone(BaseException):
+    """Raised out of ``register()`` in the evaluator process once the job is over.
+
+    A BaseException, so that a user's ``except Exception`` does not swallow it.
+    """
 
 
 class Worker:
@@ -58,7 +72,9 @@ class Worker:
         self._ctx = ctx
         self.config = ctx.config
         self.local_index = ctx.local_index
-        self.worker_id = ctx.config.worker_id(ctx.local_index)
+        self.is_evaluator = ctx.evaluator
+        # The evaluator borrows worker 0's id, so code that shards data by id works unchanged.
+        self.worker_id = ctx.config.worker_id(0 if ctx.evaluator else ctx.local_index)
         self.num_workers = ctx.config.total_workers
         self.iterations = 0
         self._window = LossWindow(ctx.config.window)
@@ -77,21 +93,29 @@ class Worker:
         self._last_sent = time.monotonic()
 
     # ------------------------------------------------------------------ public API
-    def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None) -> None:
+    def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
+                 buffers: str = "local") -> None:
         """Register the model's parameters (once) and an optional evaluation function.
 
         Args:
-            params: a list of float32 numpy arrays, of PyTensor shared variables, or an adapter.
-            evaluate: called after the job with the final leader / average / center loaded into
-                the model; returns metrics such as ``{"accuracy": 0.97}``.
+            params: a list of numpy arrays or of PyTensor shared variables, a PyTorch
+                ``nn.Module`` or list of tensors, or a ``ParamAdapter``.
+            evaluate: called with the leader / worker average / center loaded into the model
+                (periodically with ``EVAL_EVERY``, and at the end of the job); returns metrics
+                such as ``{"accuracy": 0.97}``.
+            buffers: PyTorch modules only: ``"local"`` keeps batch-norm statistics per worker,
+                ``"average"`` averages them over each round's participants on the node.
         """
         if self._params is not None:
             raise RuntimeError("register() may be called once")
-        self._params = as_params(params)
+        self._params = as_params(params, buffers=buffers)
         self._evaluate = evaluate
-        self._send(m.Hello(self.local_index, self._params.param_count))
+        self._send(m.Hello(self.local_index, self._params.param_count, self._params.stats_count))
         setup = self._expect(m.Setup)
         self._store = NodeStore.attach(setup.layout)
+        if self.is_evaluator:
+            self._serve_evaluations()  # until the job ends
+            raise EvaluatorDone()
         self._params.read_into(self._store.slot(self.local_index))
         rule = self.config.make_rule()
         if hasattr(rule, "proximal_pulls"):
@@ -110,6 +134,8 @@ class Worker:
             raise RuntimeError("call register() before step()")
         if self._stopped:
             return False
+        if hasattr(loss, "detach"):  # a framework tensor: read it only at rounds (no GPU sync)
+            loss = loss.detach()
         self.iterations += 1
         self._unreported += 1
         self._window.add(loss)
@@ -123,9 +149,15 @@ class Worker:
             return True
         return self._refill(m.Ask(self.local_index, self._take_unreported()))
 
+    @property
+    def registered(self) -> bool:
+        return self._params is not None
+
     def close(self) -> None:
         """Report the last steps and detach from shared memory (safe to call twice)."""
-        if self._params is not None and (self._unreported or not self._stopped):
+        if self.is_evaluator:
+            self._stopped = True
+        elif self._params is not None and (self._unreported or not self._stopped):
             self._send(m.Bye(self.local_index, self._take_unreported()))
             self._stopped = True
         if self._store is not None:
@@ -191,28 +223,48 @@ class Worker:
             msg = self._get()
             if isinstance(msg, m.Pull):
                 distances = {}
+                n = self._params.param_count - self._params.stats_count  # statistics: averaged
                 for name, strength in msg.pulls:
-                    distances[name] = ops.pull_toward_(slot, self._store.buffer(name), strength)
-                if any(s > 0 for _, s in msg.pulls):
+                    distances[name] = ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
+                pulled = any(s > 0 for _, s in msg.pulls)
+                if pulled or msg.stats_averaged:
                     self._params.write_from(slot)
-                    if msg.reset_window:
-                        self._window.reset()
+                if pulled and msg.reset_window:
+                    self._window.reset()
                 self._send(m.Done(self.local_index, msg.round_id, distances))
                 return True
             if isinstance(msg, m.Evaluate):
-                self._send(m.EvalResult(self.local_index, self._run_evaluation(msg.buffers)))
+                self._send(m.EvalResult(self.local_index, msg.round_id, msg.iteration,
+                                        self._run_evaluation({n: self._store.buffer(n) for n in msg.buffers})))
                 continue
             if isinstance(msg, m.Stop):
                 return False
             raise RuntimeError(f"unexpected message in round {call.round_id}: {msg!r}")
 
-    def _run_evaluation(self, buffers: tuple[str, ...]) -> dict[str, dict[str, float]]:
-        assert self._store is not None and self._params is not None
+    def _serve_evaluations(self) -> None:
+        """The evaluator's loop: snapshot the named buffers, let the node go on, evaluate."""
+        assert self._store is not None
+        copies: dict[str, np.ndarray] = {}  # private snapshots, allocated once per buffer
+        while True:
+            msg = self._get()
+            if isinstance(msg, m.Stop):
+                return
+            if not isinstance(msg, m.Evaluate):
+                raise RuntimeError(f"unexpected message for the evaluator: {msg!r}")
+            for name in msg.buffers:
+                if name not in copies:
+                    copies[name] = np.empty_like(self._store.buffer(name))
+                ops.copy_(copies[name], self._store.buffer(name))
+            self._send(m.Loaded(self.local_index, msg.round_id))
+            results = self._run_evaluation({n: copies[n] for n in msg.buffers})
+            self._send(m.EvalResult(self.local_index, msg.round_id, msg.iteration, results))
+
+    def _run_evaluation(self, vectors: dict[str, np.ndarray]) -> dict[str, dict[str, float]]:
+        assert self._params is not None
         results: dict[str, dict[str, float]] = {}
         if self._evaluate is None:
             return results
-        for name in buffers:
-            vec = self._store.buffer(name)
+        for name, vec in vectors.items():
             if not ops.all_finite(vec):
                 results[name] = {"error": math.nan}
                 continue
@@ -230,4 +282,55 @@ class Worker:
         self._params.write_from(slot)
 
 
-__all__ = ["Worker", "WorkerContext", "LocalServerGone"]
+class SoloWorker:
+    """What ``connect()`` returns outside lsgd: the script trains alone, unchanged.
+
+    It checks the registered parameters (so mistakes show up in a quick local run) and lets the
+    loop run until its own end.
+    """
+
+    is_evaluator = False
+    local_index = worker_id = 0
+    num_workers = 1
+
+    def __init__(self) -> None:
+        self.config = JobConfig()
+        self.iterations = 0
+
+    def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
+                 buffers: str = "local") -> None:
+        as_params(params, buffers=buffers)
+
+    def step(self, loss: float) -> bool:
+        self.iterations += 1
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+_current: Worker | None = None  # set in a worker process before the user's code runs
+_solo: SoloWorker | None = None
+
+
+def connect(params: Any = None, evaluate: Callable[[], dict[str, float]] | None = None, *,
+            buffers: str = "local") -> Worker | SoloWorker:
+    """This process's lsgd worker; registers ``params`` too when given.
+
+    In a process that ``train.sh`` started, this is the worker the local server set up. In any
+    other process (``python my_script.py``) it is a ``SoloWorker``: the loop trains alone, so
+    the same script runs with and without lsgd.
+    """
+    global _solo
+    worker: Worker | SoloWorker | None = _current
+    if worker is None:
+        if _solo is None:
+            log.warning("lsgd.connect(): not started by train.sh; training alone")
+            _solo = SoloWorker()
+        worker = _solo
+    if params is not None:
+        worker.register(params, evaluate, buffers=buffers)
+    return worker
+
+
+__all__ = ["Worker", "WorkerContext", "LocalServerGone", "EvaluatorDone", "SoloWorker", "connect"]

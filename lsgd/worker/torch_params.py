@@ -1,0 +1,84 @@
+"""PyTorch adapter (``pip install 'lsgd[torch]'``): an ``nn.Module`` or a list of tensors.
+
+CPU tensors are copied straight between the model and the worker's shared-memory slot. CUDA
+tensors are copied only at rounds, through one pinned host buffer allocated at registration and
+reused: device -> pinned buffer (asynchronous copies, one synchronisation) -> slot, and back.
+Training steps never touch the host.
+
+Batch-norm running statistics (a module's floating-point buffers) are either kept per worker
+(``buffers="local"``, the default) or averaged over each round's participants on the node
+(``buffers="average"``). Integer buffers such as ``num_batches_tracked`` always stay per worker.
+Optimizer state (momentum buffers, Adam moments) is not registered: it stays with the user's
+optimizer, and keeps describing the worker's own trajectory after a pull.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class TorchParams:
+    """Adapter for a PyTorch module or parameter list (CPU or CUDA, any float dtype)."""
+
+    def __init__(self, model: Any, buffers: str = "local") -> None:
+        if isinstance(model, torch.nn.Module):
+            params = list(model.parameters())
+            stats = [b for b in model.buffers() if b.is_floating_point()] if buffers == "average" else []
+        else:
+            params, stats = list(model), []
+            if buffers != "local":
+                raise ValueError("buffers='average' needs an nn.Module (its buffers are the statistics)")
+        seen: set[int] = set()
+        unique = []
+        for t in params:  # tied weights appear once
+            if id(t) not in seen:
+                seen.add(id(t))
+                unique.append(t)
+        for i, t in enumerate(unique + stats):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise TypeError(f"tensor {i} must be a floating-point torch tensor, got "
+                                f"{type(t).__name__} {getattr(t, 'dtype', '')}")
+        if not unique:
+            raise ValueError("no parameters to register")
+        self.tensors = unique + stats
+        devices = {t.device for t in self.tensors}
+        if len(devices) != 1:
+            raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self.spans: list[tuple[int, int]] = []
+        pos = 0
+        for t in self.tensors:
+            self.spans.append((pos, t.numel()))
+            pos += t.numel()
+        self.param_count = pos
+        self.stats_count = sum(t.numel() for t in stats)
+        self._host: torch.Tensor | None = None
+        if self.device.type == "cuda":
+            self._host = torch.empty(pos, dtype=torch.float32, pin_memory=True)
+
+    def _sync(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+    @torch.no_grad()
+    def read_into(self, flat: np.ndarray) -> None:
+        host = self._host if self._host is not None else torch.from_numpy(flat)
+        for (pos, size), t in zip(self.spans, self.tensors):
+            host[pos : pos + size].copy_(t.reshape(-1), non_blocking=self._host is not None)
+        if self._host is not None:
+            self._sync()
+            np.copyto(flat, self._host.numpy())
+
+    @torch.no_grad()
+    def write_from(self, flat: np.ndarray) -> None:
+        if self._host is not None:
+            np.copyto(self._host.numpy(), flat)
+            host = self._host
+        else:
+            host = torch.from_numpy(flat)
+        for (pos, size), t in zip(self.spans, self.tensors):
+            t.copy_(host[pos : pos + size].view(t.shape), non_blocking=self._host is not None)
+        if self._host is not None:
+            self._sync()  # the pinned buffer may be rewritten by the next call
