@@ -31,6 +31,7 @@ g_comm="${G_COMM:-64}"              # global round every g_comm iterations per w
 avg_size="${AVG_SIZE:-}"            # losses averaged to elect leaders (empty: l_comm / 2)
 # --- the training job ----------------------------------------------------------------------
 entry="${ENTRY:-lsgd.jobs.digits_mlp:main}"   # your code: module:function, or script.py [args]
+shard="${SHARD:-permutation}"       # worker.shard(): permutation (own order) | disjoint (own part)
 eval_every="${EVAL_EVERY:-0}"       # evaluate leader/average/center every N iterations (0: at the end)
 lr="${LR:-0.05}"                    # learning rate
 momentum="${MOMENTUM:-0.9}"         # Nesterov momentum
@@ -58,7 +59,7 @@ exec "$PYTHON" -m lsgd train \
     --node-index "$1" --ip-addr "$ip_addr" --port "$port" --num-groups "$num_groups" \
     --workers "$workers" --algorithm "$algorithm" --c1 "$c1" --c2 "$c2" --p1 "$p1" --p2 "$p2" \
     --alpha "$alpha" --beta "$beta" --l-comm "$l_comm" --g-comm "$g_comm" --avg-size "$avg_size" \
-    --entry "$entry" --eval-every "$eval_every" --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
+    --entry "$entry" --eval-every "$eval_every" --shard "$shard" --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
     --iterations "$iterations" --minutes "$minutes" --seed "$seed" --run-dir "$run_dir" \
     --job-id "$job_id" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
     --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \

@@ -6,3 +6,17 @@ move through node shared memory. See ``docs/architecture.md``.
 """
 
 __version__ = "0.1.0"
+
+
+def connect(params=None, evaluate=None, *, buffers="local"):
+    """This process's lsgd worker (see ``lsgd.worker.client.connect``).
+
+    Under ``train.sh`` it is the worker the local server set up; in a plain ``python script.py``
+    it is a stand-in that lets the script train alone. Registers ``params`` when given.
+    """
+    from .worker.client import connect as _connect
+
+    return _connect(params, evaluate, buffers=buffers)
+
+
+__all__ = ["connect", "__version__"]

@@ -54,6 +54,8 @@ class JobConfig:
     job_id: str = _f("lsgd", "job name; every node must use the same one")
     entry: str = _f("lsgd.jobs.digits_mlp:main", "the user's training code: package.module:function, "
                     "or path/to/script.py followed by its arguments")
+    shard: str = _f("permutation", "data each worker gets from worker.shard(): permutation (all "
+                    "samples, an order of its own) | disjoint (1/workers of them)")
     eval_every: int = _f(0, "evaluate leader, worker average and center at the first global round "
                          "after every this many iterations of the job (0: at the end only)")
     wire: str = _f("float32", "parameter encoding between nodes and the global server: float32 | "
@@ -117,6 +119,8 @@ class JobConfig:
         else:
             need(re.fullmatch(r"[\w.]+:\w+", self.entry) is not None,
                  f"entry '{self.entry}' must be package.module:function or path/to/script.py")
+        need(self.shard in ("permutation", "disjoint"),
+             f"shard '{self.shard}' is unknown; choose permutation or disjoint")
         need(self.eval_every >= 0, f"eval_every must be >= 0 iterations, got {self.eval_every}")
         need(self.wire in ("float32", "bfloat16"),
              f"wire '{self.wire}' is unknown; choose float32 or bfloat16")

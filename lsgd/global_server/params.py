@@ -94,8 +94,8 @@ class ParamStore:
         average = average or kind == RoundKind.FINAL
         expected: set[tuple[int, str]] = set()
         # The leader's upload serves the other nodes: with a single node in the round it stays
-        # home (except at the end, when the final leader is kept for evaluation).
-        if leader_node is not None and (kind == RoundKind.FINAL or (
+        # home (except when it is evaluated: at the end, and in rounds that evaluate).
+        if leader_node is not None and (average or (
                 self.rule.exchange == ExchangeKind.LEADER and len(reports) > 1)):
             expected.add((leader_node, LEADER))
         if average or self.rule.exchange == ExchangeKind.CENTER:
@@ -272,6 +272,8 @@ class ParamStore:
             return f"round {round_id} has not closed"
         if ex.round_id > round_id:
             return f"!round {round_id} is over; round {ex.round_id} is current"
+        if buffer == LEADER and ex.leader_ok:
+            return None  # complete: it need not wait for the nodes' sums of the same round
         if not ex.settled:
             return f"round {round_id} uploads are still arriving"
         if buffer == LEADER and not ex.leader_ok:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..config import JobConfig
+from ..data import shard_indices
 from ..leader import LossWindow
 from ..local_server import messages as m
 from ..local_server.store import NodeStore
@@ -148,6 +149,16 @@ class Worker:
                 self._send(m.Progress(self.local_index, self._take_unreported()))
             return True
         return self._refill(m.Ask(self.local_index, self._take_unreported()))
+
+    def shard(self, *arrays: Any, mode: str | None = None) -> Any:
+        """This worker's part of the training data: ``x, y = worker.shard(x, y)``.
+
+        ``mode`` (default: the job's ``SHARD``) is ``"permutation"`` (every sample, in an order
+        of this worker's own) or ``"disjoint"`` (a disjoint 1/num_workers share). Arrays are
+        numpy arrays or anything indexable by an integer array (PyTorch tensors).
+        """
+        return _take(arrays, shard_indices(len(arrays[0]), self.worker_id, self.num_workers,
+                                           mode or self.config.shard, self.config.seed))
 
     @property
     def registered(self) -> bool:
@@ -270,6 +281,8 @@ class Worker:
                 continue
             self._params.write_from(vec)
             results[name] = {k: float(v) for k, v in self._evaluate().items()}
+        if not self.is_evaluator and self._store is not None:  # back to this worker's own
+            self._params.write_from(self._store.slot(self.local_index))
         return results
 
     def _proximal_step(self) -> None:
@@ -301,12 +314,22 @@ class SoloWorker:
                  buffers: str = "local") -> None:
         as_params(params, buffers=buffers)
 
+    def shard(self, *arrays: Any, mode: str | None = None) -> Any:
+        return arrays[0] if len(arrays) == 1 else arrays
+
     def step(self, loss: float) -> bool:
         self.iterations += 1
         return True
 
     def close(self) -> None:
         pass
+
+
+def _take(arrays: tuple, idx: np.ndarray) -> Any:
+    if not arrays or any(len(a) != len(arrays[0]) for a in arrays):
+        raise ValueError("shard() takes one or more arrays of the same length")
+    parts = tuple(a[idx] for a in arrays)
+    return parts[0] if len(parts) == 1 else parts
 
 
 _current: Worker | None = None  # set in a worker process before the user's code runs
