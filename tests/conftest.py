@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import signal
@@ -43,6 +44,30 @@ def session_pids(sid: int) -> list[int]:
         if int(fields[3]) == sid and fields[0] not in ("Z", "X"):
             pids.append(int(stat.parent.name))
     return pids
+
+
+def global_summary(run_dir) -> dict:
+    return json.loads((run_dir / "global" / "summary.json").read_text())
+
+
+def assert_clean_exit(run_dir, nodes) -> None:
+    """No process of the job is alive and no segment of it is left in /dev/shm."""
+    pids = [global_summary(run_dir)["pid"]] if (run_dir / "global" / "summary.json").exists() else []
+    for node in nodes:
+        s = node.summary()
+        pids += s["pids"]
+        assert s["shm"] and s["shm"] not in shm_segments(), f"segment {s['shm']} left in /dev/shm"
+    end = time.monotonic() + 5
+    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert not [p for p in pids if pid_alive(p)], "a process of the job survived"
+    for node in nodes:  # nothing else of the node's session either (resource tracker, ...)
+        assert not node.wait_session_gone(5), "a process of the node's session survived"
+
+
+def metric_rows(path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def _ignore_sigint() -> None:

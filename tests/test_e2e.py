@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import re
 import signal
@@ -10,28 +9,9 @@ import time
 
 import pytest
 
-from conftest import pid_alive, shm_segments
+from conftest import assert_clean_exit, global_summary, metric_rows, shm_segments
 
 TOY = dict(ENTRY="toyjob:main", LOG_LEVEL="INFO")
-
-
-def global_summary(run_dir) -> dict:
-    return json.loads((run_dir / "global" / "summary.json").read_text())
-
-
-def assert_clean_exit(run_dir, nodes) -> None:
-    """No process of the job is alive and no segment of it is left in /dev/shm."""
-    pids = [global_summary(run_dir)["pid"]] if (run_dir / "global" / "summary.json").exists() else []
-    for node in nodes:
-        s = node.summary()
-        pids += s["pids"]
-        assert s["shm"] and s["shm"] not in shm_segments(), f"segment {s['shm']} left in /dev/shm"
-    end = time.monotonic() + 5
-    while any(pid_alive(p) for p in pids) and time.monotonic() < end:
-        time.sleep(0.05)
-    assert not [p for p in pids if pid_alive(p)], "a process of the job survived"
-    for node in nodes:  # nothing else of the node's session either (resource tracker, ...)
-        assert not node.wait_session_gone(5), "a process of the node's session survived"
 
 
 def counter_check(run_dir, nodes) -> tuple[int, int]:
@@ -107,11 +87,6 @@ def test_stuck_worker_is_left_out_of_rounds_and_the_rest_go_on(cluster):
     counter, done = counter_check(cluster.run_dir, [node])
     assert counter == done  # late work is counted, nothing twice
     assert_clean_exit(cluster.run_dir, [node])
-
-
-def metric_rows(path) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def step_calls(count_dir) -> int:

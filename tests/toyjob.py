@@ -3,8 +3,10 @@
 Fault knobs (environment): TOYJOB_DIE="<worker>:<step>" SIGKILLs that worker at that step,
 TOYJOB_STALL="<worker>:<step>[:<seconds>]" makes it sleep there (600 s by default),
 TOYJOB_QUIT="<worker>:<step>" ends that worker's loop early (it returns without being told to),
-TOYJOB_STEP_SECONDS slows each step. With TOYJOB_COUNT_DIR set, each worker writes how many
-times it called ``worker.step`` to ``<dir>/<worker_id>.count`` when its loop ends.
+TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With TOYJOB_COUNT_DIR
+set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
+when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
+starting at the worker's id, and writes them to ``<dir>/<worker_id>.stats`` at the end.
 """
 
 import os
@@ -19,12 +21,33 @@ def _fault(name):
     return tuple(float(v) for v in spec.split(":")) if spec else (-1, -1)
 
 
+class WithStats:
+    """Parameters ``x`` followed by statistics ``s``, which rounds average instead of pull."""
+
+    def __init__(self, x, s):
+        self.x, self.s = x, s
+        self.param_count, self.stats_count = x.size + s.size, s.size
+
+    def read_into(self, flat):
+        flat[: self.x.size], flat[self.x.size :] = self.x, self.s
+
+    def write_from(self, flat):
+        self.x[:], self.s[:] = flat[: self.x.size], flat[self.x.size :]
+
+
 def main(worker):
     cfg = worker.config
     rng = np.random.default_rng(cfg.seed + 1000 * worker.worker_id)
     x = np.full(1000, 5.0, dtype=np.float32)
     target = np.linspace(-1, 1, x.size, dtype=np.float32)
-    worker.register([x], evaluate=lambda: {"accuracy": float(1.0 / (1.0 + np.mean((x - target) ** 2)))})
+    stats = np.full(int(os.environ.get("TOYJOB_STATS", "0")), worker.worker_id, dtype=np.float32)
+    eval_delay = float(os.environ.get("TOYJOB_EVAL_SECONDS", "0"))
+
+    def evaluate():
+        time.sleep(eval_delay)
+        return {"accuracy": float(1.0 / (1.0 + np.mean((x - target) ** 2)))}
+
+    worker.register(WithStats(x, stats) if stats.size else [x], evaluate=evaluate)
     delay = float(os.environ.get("TOYJOB_STEP_SECONDS", "0"))
     die, stall, quit_at = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL"), _fault("TOYJOB_QUIT")
     step = 0
@@ -46,3 +69,5 @@ def main(worker):
     if count_dir:
         with open(os.path.join(count_dir, f"{worker.worker_id}.count"), "w") as f:
             f.write(str(step))
+        if stats.size:
+            np.savetxt(os.path.join(count_dir, f"{worker.worker_id}.stats"), stats)
