@@ -8,12 +8,13 @@ from lsgd.rules.base import RoundKind
 
 
 def make(num_groups=2, workers=2, l_comm=2, g_comm=4, local=True, iters=None, seconds=None,
-         now=0.0, node_timeout=5.0, round_timeout=10.0):
+         now=0.0, node_timeout=5.0, round_timeout=10.0, eval_every=0):
     sched = Schedule.for_job(num_groups=num_groups, workers=workers, l_comm=l_comm, g_comm=g_comm,
                              local_rounds=local, max_iterations=iters)
     return Coordinator(job_id="j", algorithm="lsgd", num_groups=num_groups, workers=workers,
                        schedule=sched, max_seconds=seconds, node_timeout=node_timeout,
-                       round_timeout=round_timeout, join_timeout=30.0, now=now)
+                       round_timeout=round_timeout, join_timeout=30.0, now=now,
+                       eval_every=eval_every)
 
 
 def join_all(c, n, now=0.0):
@@ -222,3 +223,19 @@ def test_no_join_while_the_final_round_is_open():
     c.tick(now=100)  # both nodes silent: dropped
     with pytest.raises(CoordinatorError, match="finishing"):
         c.join(job_id="j", index=1, workers=1, algorithm="lsgd", num_groups=2, now=100)
+
+
+def test_evaluation_rounds_are_the_first_global_rounds_past_each_multiple():
+    c = make(l_comm=2, g_comm=4, eval_every=40)  # local rounds every 8, global every 16
+    s = join_all(c, 2)
+    flagged = []
+    for _ in range(12):  # rounds at 8, 16, ..., 96
+        rnd, _ = drain(c, s, [0, 1])
+        for i in (0, 1):
+            out = c.report(i, s[i], rnd.id, Candidate(2 * i, 1.0), 2, now=0)
+            c.nodes[i].last_round_seen = rnd.id
+        assert out.ready
+        if out.evaluate:
+            assert rnd.kind == RoundKind.GLOBAL
+            flagged.append(rnd.iteration)
+    assert flagged == [48, 80]  # past 40 and past 80 (80 itself counts)

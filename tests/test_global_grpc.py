@@ -175,3 +175,27 @@ def test_hand_framed_chunks_match_protobuf(offset, size):
     framed = b"\x12" + _varint(len(inner) + len(data)) + inner + data
     parsed = pb.PushParamsRequest.FromString(framed)
     assert parsed.chunk.offset == offset and parsed.chunk.data == data
+
+
+def test_evaluation_round_averages_sums_and_the_leader_need_not_wait_for_them():
+    from lsgd.rules import LSGD
+    from lsgd.rules.base import RoundKind
+
+    store = ParamStore(LSGD(0.1, 0.1, 0.0, 0.0, 1, 1))
+    store.set_param_count(4)
+    store.begin(5, RoundKind.GLOBAL, leader_node=1, reports={0: 2, 1: 2}, timeout=10.0, average=True)
+
+    def chunks(v):
+        return iter([(0, np.full(4, v, np.float32).tobytes())])
+
+    store.push(1, 5, "global_leader", 4, 0, chunks(7.0))
+    # the leader is downloadable while the nodes' sums are still missing (no deadlock with a
+    # node that downloads the leader before it uploads its sum)
+    got = b"".join(part for _, part in store.pull(5, "global_leader", 1 << 20, timeout=0.5))
+    np.testing.assert_array_equal(np.frombuffer(got, np.float32), 7.0)
+    with pytest.raises(ParamError):
+        list(store.pull(5, "average", 1 << 20, timeout=0.2))  # sums missing: not ready
+    store.push(0, 5, "sum", 4, 2, chunks(2.0))
+    store.push(1, 5, "sum", 4, 2, chunks(6.0))
+    got = b"".join(part for _, part in store.pull(5, "average", 1 << 20, timeout=0.5))
+    np.testing.assert_array_equal(np.frombuffer(got, np.float32), 2.0)  # (2 + 6) / 4 workers
