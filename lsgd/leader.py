@@ -47,9 +47,12 @@ class LossWindow:
     @property
     def estimate(self) -> float:
         """Mean of the window; NaN when not eligible."""
-        if not self.eligible:
+        if len(self._losses) < self.size:
             return math.nan
-        return math.fsum(float(x) for x in self._losses) / self.size
+        values = [float(x) for x in self._losses]  # one read of each (a GPU scalar syncs)
+        if not all(map(math.isfinite, values)):
+            return math.nan
+        return math.fsum(values) / self.size
 
 
 def elect(candidates: Iterable[Candidate]) -> Candidate | None:

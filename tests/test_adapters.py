@@ -79,21 +79,22 @@ class TestTorch:
         self.torch.manual_seed(0)
         return nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
 
-    def test_local_buffers_stay_and_parameters_round_trip(self):
+    def test_statistics_are_the_tail_and_parameters_round_trip(self):
         model = self._model()
-        p = as_params(model)
-        assert p.param_count == 3 * 4 + 4 + 4 + 4 + 4 * 2 + 2 and p.stats_count == 0
+        p = as_params(model)  # buffers="local": carried (for evaluation), never averaged
+        assert p.param_count == 3 * 4 + 4 + 4 + 4 + 4 * 2 + 2 + 8 and p.stats_count == 8
+        assert not p.average_stats and as_params(model, buffers="average").average_stats
         weight = model[0].weight.detach().numpy().ravel().copy()
         before = _round_trip(p)
-        assert np.array_equal(before[:12], weight)
+        assert np.array_equal(before[:12], weight) and before[-4:].tolist() == [1.0] * 4
         assert all(bool((t == 0.25).all()) for t in model.parameters())
-        assert bool((model[1].running_var == 1).all())  # statistics untouched
+        assert bool((model[1].running_var == 0.25).all())
 
     def test_average_buffers_are_the_vector_tail_and_counters_stay(self):
         model = self._model()
         model[1].running_mean.fill_(3.0)
         p = as_params(model, buffers="average")
-        assert p.stats_count == 8  # running_mean + running_var; num_batches_tracked is int
+        assert p.stats_count == 8 and p.average_stats  # mean + var; num_batches_tracked is int
         flat = np.empty(p.param_count, np.float32)
         p.read_into(flat)
         assert flat[-8:-4].tolist() == [3.0] * 4 and flat[-4:].tolist() == [1.0] * 4

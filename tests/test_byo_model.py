@@ -58,7 +58,7 @@ def test_statistics_are_averaged_over_the_node_not_pulled(cluster, tmp_path, alg
 def test_function_entry_without_argument_uses_connect(cluster, tmp_path):
     (tmp_path / "noarg_job.py").write_text(
         "import numpy as np\nimport lsgd\n\n"
-        "def main():\n"
+        "def main(argv=None):  # optional parameters do not receive the worker\n"
         "    x = np.zeros(10, np.float32)\n"
         "    worker = lsgd.connect([x])\n"
         "    while worker.step(1.0):\n"

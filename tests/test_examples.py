@@ -68,7 +68,9 @@ def _train_two_nodes(cluster, entry: str, algorithm: str) -> dict:
         assert set(node.summary()["worker_exit_codes"].values()) == {0}, node.output
         assert "Traceback" not in node.output
     rows = [r for r in metric_rows(cluster.run_dir / "node0" / "metrics.csv") if r["kind"] == "eval"]
-    assert len({r["round"] for r in rows}) >= 3, rows  # periodic evaluations and the final one
+    rounds = sorted({int(r["round"]) for r in rows})
+    assert len(rounds) >= 2, rows  # at least one periodic evaluation (others may be skipped
+    # while the evaluator is busy) and the final one
     assert_clean_exit(cluster.run_dir, [n0, n1])
     ev = n0.summary()["evaluation"]
     print(f"{entry} {algorithm}: {json.dumps(ev)}")

@@ -27,6 +27,7 @@ class WithStats:
     def __init__(self, x, s):
         self.x, self.s = x, s
         self.param_count, self.stats_count = x.size + s.size, s.size
+        self.average_stats = True
 
     def read_into(self, flat):
         flat[: self.x.size], flat[self.x.size :] = self.x, self.s

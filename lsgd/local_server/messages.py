@@ -22,7 +22,8 @@ class Hello:
 
     local: int
     param_count: int
-    stats_count: int = 0  # trailing entries averaged over round participants, not pulled
+    stats_count: int = 0  # trailing entries never pulled
+    average_stats: bool = False  # ... and averaged over each round's participants
 
 
 @dataclass(frozen=True)

@@ -125,7 +125,8 @@ class LocalServer:
         self.metrics = MetricsWriter(self.dir / "metrics.csv")
         self.summary: dict = {}
         self.layout_name: str | None = None
-        self.stats_count = 0  # trailing statistics entries, averaged over round participants
+        self.stats_count = 0  # trailing statistics entries, never pulled
+        self.average_stats = False  # ... and averaged over each round's participants
         self.eval_leader: dict[int, int | None] = {}  # round -> leader id being evaluated
         self.evaluator: Evaluator | None = None
 
@@ -314,12 +315,12 @@ class LocalServer:
                 raise NodeError(f"workers did not start within {START_TIMEOUT:g} s")
             msg = self._recv()
             if isinstance(msg, m.Hello):
-                counts[msg.local] = (msg.param_count, msg.stats_count)
+                counts[msg.local] = (msg.param_count, msg.stats_count, msg.average_stats)
         sizes = set(counts.values())
         if len(sizes) != 1:
             raise NodeError(f"workers built models of different sizes {sorted(sizes)} (parameters, "
                             "statistics); every worker must build the same model")
-        ((param_count, self.stats_count),) = sizes
+        ((param_count, self.stats_count, self.average_stats),) = sizes
         layout = StoreLayout.new(self.cfg.job_id, self.cfg.node_index, param_count, self.cfg.workers,
                                  self.rule.node_buffers)
         self.store = NodeStore.create(layout)
@@ -478,15 +479,16 @@ class LocalServer:
         if (center or evaluate) and joins and answer and not answer.missed:
             self._push(SUM, SUM, rid, summands=len(joins))
         dones = self._collect_dones(rid, set(joins))
+        fresh_center = False
         if center and answer and not answer.missed:
             if len(dones) == len(joins):
-                self._pull(CENTER, CENTER, rid)
+                fresh_center = self._pull(CENTER, CENTER, rid)
             else:  # a late worker may still read the old center: keep it one more round
                 log.warning("round %d: keeping the old center until late workers finish", rid)
         if evaluate and self.cfg.node_index == 0:
             if answer.leader and not have_leader:  # EASGD: the leader came from another node
                 have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
-            self._periodic_evaluation(rid, ans.round_iteration, answer,
+            self._periodic_evaluation(rid, ans.round_iteration, fresh_center,
                                       answer.leader.worker_id if have_leader else None)
         now = round(time.monotonic() - self.t0, 4)
         self.metrics.rows([{
@@ -502,7 +504,7 @@ class LocalServer:
     def _average_stats(self, joins: dict[int, m.Join]) -> bool:
         """Set every participant's statistics (the slot's tail) to their mean over ``joins``."""
         assert self.store is not None
-        if not self.stats_count or not joins:
+        if not self.average_stats or not joins:
             return False
         tails = [self.store.slot(i)[-self.stats_count:] for i in joins]
         mean = np.mean(tails, axis=0, dtype=np.float64).astype(np.float32)
@@ -511,7 +513,7 @@ class LocalServer:
         return True
 
     # ------------------------------------------------------------------ evaluation
-    def _periodic_evaluation(self, rid: int, iteration: int, answer, leader: int | None) -> None:
+    def _periodic_evaluation(self, rid: int, iteration: int, center: bool, leader: int | None) -> None:
         """Hand this round's leader / average / center to the evaluator; wait for its copy only."""
         ev = self.evaluator
         if ev is None or ev.gone or not ev.ready:
@@ -522,7 +524,7 @@ class LocalServer:
                      rid, ev.busy)
             return
         names = [GLOBAL_LEADER] if leader is not None else []
-        if self.rule.exchange == Exchange.CENTER:
+        if center:  # downloaded in this round (an old center would be mislabelled)
             names.append(CENTER)
         if self._pull(SUM, "average", rid):  # last: downloads stage in SUM
             names.append(SUM)

@@ -6,9 +6,10 @@ round allocates nothing proportional to the model.
 
 The flat vector has two parts: the first ``param_count - stats_count`` entries are the trained
 parameters, which the rule pulls toward the leader or the center; the last ``stats_count``
-entries are running statistics (PyTorch batch-norm buffers with ``buffers="average"``), which
-are averaged over the round's participants on the node instead of pulled. Tensors that are
-neither (integer counters, buffers kept per worker) never enter the vector.
+entries are running statistics (PyTorch batch-norm buffers), which are never pulled. They
+travel with the parameters, so an evaluated leader, average or center carries statistics of its
+own; with ``average_stats`` they are also set to their mean over each round's participants on
+the node. Integer tensors (counters) never enter the vector.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ class ParamAdapter(Protocol):
     """What the worker needs from a model's parameters."""
 
     param_count: int  # length of the flat vector
-    stats_count: int  # trailing entries averaged, not pulled (0: none)
+    stats_count: int  # trailing entries never pulled (0: none)
+    average_stats: bool  # the node averages them over each round's participants
 
     def read_into(self, flat: np.ndarray) -> None:
         """Copy the model's parameters into ``flat``."""
@@ -35,6 +37,7 @@ class _Segments:
     """Shared bookkeeping: the (offset, size, shape) of each tensor in the flat vector."""
 
     stats_count = 0
+    average_stats = False
 
     def __init__(self, shapes: Sequence[tuple[int, ...]]) -> None:
         self.spans: list[tuple[int, int, tuple[int, ...]]] = []
@@ -129,8 +132,9 @@ def as_params(params: Any, buffers: str = "local") -> ParamAdapter:
 
     Accepts an adapter, a list of numpy arrays, a list of PyTensor shared variables, or (with
     PyTorch installed) an ``nn.Module`` or a list of tensors. ``buffers`` applies to a PyTorch
-    module's floating-point buffers (batch-norm statistics): ``"local"`` keeps them per worker,
-    ``"average"`` averages them over each round's participants on the node.
+    module's floating-point buffers (batch-norm statistics), which are never pulled: ``"local"``
+    keeps each worker's own, ``"average"`` averages them over each round's participants on the
+    node.
     """
     if hasattr(params, "read_into") and hasattr(params, "write_from"):
         return params

@@ -111,8 +111,14 @@ class Worker:
             raise RuntimeError("register() may be called once")
         self._params = as_params(params, buffers=buffers)
         self._evaluate = evaluate
-        self._send(m.Hello(self.local_index, self._params.param_count, self._params.stats_count))
-        setup = self._expect(m.Setup)
+        p = self._params
+        self._send(m.Hello(self.local_index, p.param_count, getattr(p, "stats_count", 0),
+                           getattr(p, "average_stats", False)))
+        if self.is_evaluator and isinstance(msg := self._get(), m.Stop):
+            raise EvaluatorDone()  # the job ended before the model was even needed
+        setup = msg if self.is_evaluator else self._expect(m.Setup)
+        if not isinstance(setup, m.Setup):
+            raise RuntimeError(f"expected Setup from the local server, got {setup!r}")
         self._store = NodeStore.attach(setup.layout)
         if self.is_evaluator:
             self._serve_evaluations()  # until the job ends
@@ -136,7 +142,12 @@ class Worker:
         if self._stopped:
             return False
         if hasattr(loss, "detach"):  # a framework tensor: read it only at rounds (no GPU sync)
+            if loss.numel() != 1:
+                raise ValueError(f"step() takes the minibatch loss, a scalar; got a tensor of "
+                                 f"shape {tuple(loss.shape)}")
             loss = loss.detach()
+        elif not isinstance(loss, float):
+            loss = float(loss)  # fails here, not at the next round, on a wrong value
         self.iterations += 1
         self._unreported += 1
         self._window.add(loss)
@@ -157,8 +168,14 @@ class Worker:
         of this worker's own) or ``"disjoint"`` (a disjoint 1/num_workers share). Arrays are
         numpy arrays or anything indexable by an integer array (PyTorch tensors).
         """
-        return _take(arrays, shard_indices(len(arrays[0]), self.worker_id, self.num_workers,
-                                           mode or self.config.shard, self.config.seed))
+        return _take(arrays, _shard_indices(arrays, self.worker_id, self.num_workers,
+                                            mode or self.config.shard, self.config.seed))
+
+    @property
+    def _pulled_count(self) -> int:
+        """Entries of the slot that pulls move (the statistics tail is never pulled)."""
+        assert self._params is not None
+        return self._params.param_count - getattr(self._params, "stats_count", 0)
 
     @property
     def registered(self) -> bool:
@@ -234,7 +251,7 @@ class Worker:
             msg = self._get()
             if isinstance(msg, m.Pull):
                 distances = {}
-                n = self._params.param_count - self._params.stats_count  # statistics: averaged
+                n = self._pulled_count
                 for name, strength in msg.pulls:
                     distances[name] = ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
                 pulled = any(s > 0 for _, s in msg.pulls)
@@ -290,8 +307,9 @@ class Worker:
         assert self._store is not None and self._params is not None
         slot = self._store.slot(self.local_index)
         self._params.read_into(slot)
+        n = self._pulled_count
         for name, strength in self._proximal:
-            ops.pull_toward_(slot, self._store.buffer(name), strength)
+            ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
         self._params.write_from(slot)
 
 
@@ -323,6 +341,12 @@ class SoloWorker:
 
     def close(self) -> None:
         pass
+
+
+def _shard_indices(arrays: tuple, worker_id: int, num_workers: int, mode: str, seed: int) -> np.ndarray:
+    if not arrays:
+        raise ValueError("shard() takes one or more arrays of the same length")
+    return shard_indices(len(arrays[0]), worker_id, num_workers, mode, seed)
 
 
 def _take(arrays: tuple, idx: np.ndarray) -> Any:

@@ -60,8 +60,9 @@ def load_entry(entry: str) -> Callable[[], None]:
     fn = getattr(module, func_name, None)
     if not callable(fn):
         raise ValueError(f"entry '{entry}': {module_name} has no function {func_name}")
-    try:
-        wants_worker = bool(inspect.signature(fn).parameters)
+    try:  # a required positional parameter receives the worker
+        wants_worker = any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                           for p in inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):
         wants_worker = True
     if wants_worker:

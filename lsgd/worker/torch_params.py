@@ -5,8 +5,10 @@ tensors are copied only at rounds, through one pinned host buffer allocated at r
 reused: device -> pinned buffer (asynchronous copies, one synchronisation) -> slot, and back.
 Training steps never touch the host.
 
-Batch-norm running statistics (a module's floating-point buffers) are either kept per worker
-(``buffers="local"``, the default) or averaged over each round's participants on the node
+Batch-norm running statistics (a module's floating-point buffers) are the vector's tail: never
+pulled, but carried into the leader / average / center buffers, so that evaluating one of them
+uses statistics that belong to it. Each worker keeps its own (``buffers="local"``, the default)
+or they are set to their mean over each round's participants on the node
 (``buffers="average"``). Integer buffers such as ``num_batches_tracked`` always stay per worker.
 Optimizer state (momentum buffers, Adam moments) is not registered: it stays with the user's
 optimizer, and keeps describing the worker's own trajectory after a pull.
@@ -26,7 +28,7 @@ class TorchParams:
     def __init__(self, model: Any, buffers: str = "local") -> None:
         if isinstance(model, torch.nn.Module):
             params = list(model.parameters())
-            stats = [b for b in model.buffers() if b.is_floating_point()] if buffers == "average" else []
+            stats = [b for b in model.buffers() if b.is_floating_point()]
         else:
             params, stats = list(model), []
             if buffers != "local":
@@ -55,6 +57,7 @@ class TorchParams:
             pos += t.numel()
         self.param_count = pos
         self.stats_count = sum(t.numel() for t in stats)
+        self.average_stats = buffers == "average" and self.stats_count > 0
         self._host: torch.Tensor | None = None
         if self.device.type == "cuda":
             self._host = torch.empty(pos, dtype=torch.float32, pin_memory=True)
