@@ -37,8 +37,9 @@ else:
     x = x.reshape(-1, 8, 8) / 16.0
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0)
 device = torch.device(args.device)
-x_train = torch.tensor(np.asarray(x_train, np.float32)).unsqueeze(1).to(device)
-x_test = torch.tensor(np.asarray(x_test, np.float32)).unsqueeze(1).to(device)
+side = int(np.sqrt(np.prod(np.shape(x_train)[1:])))  # 8 (digits) or 28 (MNIST)
+x_train = torch.tensor(np.asarray(x_train, np.float32)).reshape(-1, 1, side, side).to(device)
+x_test = torch.tensor(np.asarray(x_test, np.float32)).reshape(-1, 1, side, side).to(device)
 y_train = torch.tensor(np.asarray(y_train, np.int64)).to(device)
 y_test = torch.tensor(np.asarray(y_test, np.int64)).to(device)
 

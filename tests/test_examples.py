@@ -103,3 +103,25 @@ def test_torch_example_on_cuda(cluster):
     ev = _train_two_nodes(cluster, str(REPO / "examples" / "torch_cnn.py") + " --device cuda", "lsgd")
     assert ev["leader"]["accuracy"] >= README_ACCURACY
     assert ev["average"]["accuracy"] >= README_ACCURACY
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_examples_read_mnist_idx_files(name, tmp_path):
+    from test_data import write_idx
+    import numpy as np
+
+    if name.startswith("torch"):
+        pytest.importorskip("torch")
+    rng = np.random.default_rng(0)
+    for split, n in (("train", 64), ("t10k", 16)):
+        write_idx(tmp_path / f"{split}-images-idx3-ubyte", rng.integers(0, 256, (n, 28, 28), dtype=np.uint8))
+        write_idx(tmp_path / f"{split}-labels-idx1-ubyte", rng.integers(0, 10, n, dtype=np.uint8),
+                  compress=True)
+    out = subprocess.run([sys.executable, f"examples/{name}.py", "--steps", "5", "--mnist", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "test accuracy" in out.stdout
+    (tmp_path / "t10k-labels-idx1-ubyte").unlink()
+    out = subprocess.run([sys.executable, f"examples/{name}.py", "--mnist", str(tmp_path)],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "t10k-labels-idx1-ubyte" in out.stderr
