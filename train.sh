@@ -42,6 +42,13 @@ seed="${SEED:-0}"                   # random seed
 run_dir="${RUN_DIR:-runs/lsgd}"     # outputs: RUN_DIR/node<i>/{metrics.csv,summary.json}
 job_id="${JOB_ID:-lsgd}"            # job name, the same on every node
 wire="${WIRE:-float32}"              # parameter encoding between nodes: float32 | bfloat16
+# --- security (see README "Security"; `python -m lsgd certs` creates the files) ------------
+secret_file="${SECRET_FILE:-}"      # job secret (or set LSGD_SECRET); needed beyond loopback
+tls_ca="${TLS_CA:-}"                # CA certificate: TLS on every channel
+tls_cert="${TLS_CERT:-}"            # this node's certificate (node 0 serves it)
+tls_key="${TLS_KEY:-}"              # its private key
+mtls="${MTLS:-0}"                   # 1: node 0 accepts only clients with a certificate from TLS_CA
+allow_insecure="${ALLOW_INSECURE:-0}"  # 1: no secret beyond loopback (trusted network only)
 # --- fault handling ------------------------------------------------------------------------
 round_timeout="${ROUND_TIMEOUT:-30}"     # seconds a round waits for a late worker or node
 node_timeout="${NODE_TIMEOUT:-5}"        # seconds of silence before a node is dropped
@@ -59,8 +66,10 @@ exec "$PYTHON" -m lsgd train \
     --node-index "$1" --ip-addr "$ip_addr" --port "$port" --num-groups "$num_groups" \
     --workers "$workers" --algorithm "$algorithm" --c1 "$c1" --c2 "$c2" --p1 "$p1" --p2 "$p2" \
     --alpha "$alpha" --beta "$beta" --l-comm "$l_comm" --g-comm "$g_comm" --avg-size "$avg_size" \
-    --entry "$entry" --eval-every "$eval_every" --shard "$shard" --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
+    --entry "$entry" --eval-every "$eval_every" --shard "$shard" \
+    --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
     --iterations "$iterations" --minutes "$minutes" --seed "$seed" --run-dir "$run_dir" \
     --job-id "$job_id" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
     --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \
-    --log-level "$log_level"
+    --secret-file "$secret_file" --tls-ca "$tls_ca" --tls-cert "$tls_cert" --tls-key "$tls_key" \
+    --mtls "$mtls" --allow-insecure "$allow_insecure" --log-level "$log_level"

@@ -24,6 +24,8 @@ import typing
 from pathlib import Path
 
 from .config import ConfigError, JobConfig, fields
+from .files import private_dir
+from .security import Security, SecurityError, is_loopback
 
 log = logging.getLogger("lsgd")
 
@@ -51,6 +53,11 @@ def _parser() -> argparse.ArgumentParser:
         def convert(text: str, base=base, optional=optional, name=f.name):
             if optional and text.strip().lower() in ("", "none"):
                 return None
+            if base is bool:
+                flag = text.strip().lower()
+                if flag in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+                    return flag in ("1", "true", "yes", "on")
+                raise argparse.ArgumentTypeError(f"{name} must be 0 or 1, got '{text}'")
             try:
                 return base(text)
             except ValueError:
@@ -59,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
         train.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=convert,
                            default=f.default, help=f.metadata.get("help"))
     train.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    certs = sub.add_parser("certs", help="create a job CA, one TLS certificate per node and a secret")
+    certs.add_argument("--out", required=True, help="directory to write into (created mode 0700)")
+    certs.add_argument("--hosts", required=True,
+                       help="the nodes' addresses, node 0 first, comma-separated (10.0.0.1,10.0.0.2)")
+    certs.add_argument("--days", type=int, default=365, help="validity of the certificates")
     return parser
 
 
@@ -66,14 +78,14 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _start_global(config: JobConfig, level: int) -> tuple[mp.process.BaseProcess, object]:
+def _start_global(config: JobConfig, level: int, security: Security) -> tuple[mp.process.BaseProcess, object]:
     """Start the global server process; returns it and the pipe it reports readiness on."""
     from .global_server.server import process_main
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     # daemon: multiprocessing terminates it if this process exits by any path
-    proc = ctx.Process(target=process_main, args=(config, child, level), name="lsgd-global",
+    proc = ctx.Process(target=process_main, args=(config, child, level, security), name="lsgd-global",
                        daemon=True)
     proc.start()
     child.close()
@@ -111,7 +123,7 @@ def _stop_global(proc: mp.process.BaseProcess, wait: float) -> None:
             proc.join(5)
 
 
-def train(config: JobConfig, level: int) -> int:
+def train(config: JobConfig, level: int, security: Security) -> int:
     """Run this node (and, on node 0, the global server). Returns the exit code."""
     from .local_server.server import LocalServer
 
@@ -123,9 +135,9 @@ def train(config: JobConfig, level: int) -> int:
     try:
         port = config.port
         if config.node_index == 0:
-            global_proc, ready = _start_global(config, level)
+            global_proc, ready = _start_global(config, level, security)
             port = _await_global(global_proc, ready)
-        server = LocalServer(config, f"{config.ip_addr}:{port}", level)
+        server = LocalServer(config, f"{config.ip_addr}:{port}", level, security)
         code = server.run()
         _print_summary(server.summary, code)
     except KeyboardInterrupt:
@@ -160,18 +172,37 @@ def _print_summary(summary: dict, code: int) -> None:
     print("\n".join(lines), flush=True)
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from .security import make_certs
+
+    hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
+    try:
+        written = make_certs(args.out, hosts, days=args.days)
+    except (SecurityError, OSError) as exc:
+        print(f"lsgd: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"lsgd: wrote {', '.join(p.name for p in written)} to {args.out}")
+    print("copy ca.pem, secret, node<i>.pem and node<i>-key.pem to node i (keep ca-key.pem "
+          "off the nodes); on node i set TLS_CA, TLS_CERT, TLS_KEY and SECRET_FILE to them")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "certs":
+        return _certs(args)
     level = getattr(logging, args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s node %(levelname)s %(message)s")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobConfig)}
     try:
         config = JobConfig(**values)
-    except ConfigError as exc:
+        security = Security.from_config(config)
+    except (ConfigError, SecurityError) as exc:
         print(f"lsgd: error: {exc}", file=sys.stderr)
         return 2
     try:
-        (Path(config.run_dir) / f"node{config.node_index}").mkdir(parents=True, exist_ok=True)
+        Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+        private_dir(Path(config.run_dir) / f"node{config.node_index}")
     except OSError as exc:
         print(f"lsgd: error: cannot create run directory {config.run_dir}: {exc.strerror}",
               file=sys.stderr)
@@ -179,7 +210,14 @@ def main(argv: list[str] | None = None) -> int:
     # Explicit handlers: a node started in the background may inherit SIGINT as ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
-    return train(config, level)
+    if not is_loopback(config.ip_addr):
+        if security.secret is None:
+            log.warning("no job secret (ALLOW_INSECURE=1): anyone who reaches port %d can join "
+                        "or disturb this job", config.port)
+        elif security.ca is None:
+            log.warning("no TLS (TLS_CA/TLS_CERT/TLS_KEY): the job secret and the parameters "
+                        "cross the network in clear text")
+    return train(config, level, security)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,15 @@ class JobConfig:
                          "after every this many iterations of the job (0: at the end only)")
     wire: str = _f("float32", "parameter encoding between nodes and the global server: float32 | "
                    "bfloat16 (half the bytes, ~3 significant digits; needs lsgd[bf16])")
+    secret_file: str | None = _f(None, "file holding the job secret (or set LSGD_SECRET); needed "
+                                 "when node 0 listens beyond loopback")
+    tls_ca: str | None = _f(None, "CA certificate that signed node 0's certificate: TLS on every node")
+    tls_cert: str | None = _f(None, "this node's certificate (node 0 serves it; with mtls every node "
+                              "presents its own)")
+    tls_key: str | None = _f(None, "private key of tls_cert")
+    mtls: bool = _f(False, "mutual TLS: node 0 accepts only clients with a certificate from tls_ca")
+    allow_insecure: bool = _f(False, "let node 0 listen beyond loopback without a secret (trusted "
+                              "networks only)")
     round_timeout: float = _f(30.0, "seconds a round waits for late workers or nodes")
     node_timeout: float = _f(5.0, "seconds of silence after which the global server drops a node")
     join_timeout: float = _f(60.0, "seconds the job waits for all nodes to join before it starts")
@@ -130,9 +139,32 @@ class JobConfig:
             except ImportError:
                 raise ConfigError("wire bfloat16 needs the ml_dtypes package: "
                                   "pip install 'lsgd[bf16]'") from None
+        self._validate_security(need)
         for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout"):
             v = getattr(self, name)
             need(v > 0, f"{name} must be > 0 seconds, got {v}")
+
+    def _validate_security(self, need: Any) -> None:
+        from .security import SecurityError, is_loopback, read_secret
+
+        for name in ("secret_file", "tls_ca", "tls_cert", "tls_key"):
+            path = getattr(self, name)
+            need(path is None or os.path.isfile(path), f"{name} '{path}' not found")
+        need((self.tls_cert is None) == (self.tls_key is None),
+             "tls_cert and tls_key go together: set both or neither")
+        need(not self.mtls or (self.tls_ca and self.tls_cert),
+             "mtls needs tls_ca and this node's tls_cert and tls_key")
+        need(self.tls_ca is None or self.node_index != 0 or self.tls_cert is not None,
+             "node 0 serves TLS when tls_ca is set: give it tls_cert and tls_key (lsgd certs "
+             "creates them)")
+        try:
+            secret = read_secret(self.secret_file)
+        except SecurityError as exc:
+            raise ConfigError(str(exc)) from None
+        need(secret is not None or is_loopback(self.ip_addr) or self.allow_insecure,
+             f"ip_addr {self.ip_addr} is not a loopback address: the job needs a secret "
+             "(SECRET_FILE or LSGD_SECRET; `lsgd certs` writes one, with TLS certificates), or "
+             "ALLOW_INSECURE=1 on a network you trust")
 
     # ------------------------------------------------------------------ derived values
     @property

@@ -239,3 +239,39 @@ def test_evaluation_rounds_are_the_first_global_rounds_past_each_multiple():
             assert rnd.kind == RoundKind.GLOBAL
             flagged.append(rnd.iteration)
     assert flagged == [48, 80]  # past 40 and past 80 (80 itself counts)
+
+
+def test_a_retried_credit_request_counts_once_and_a_replayed_one_is_refused():
+    c = make()
+    s = join_all(c, 2)
+
+    def ask(consumed, seq):
+        return c.acquire(0, s[0], consumed=consumed, late=0, released=0, want=100,
+                         last_round_seen=0, now=0, seq=seq)
+
+    g = ask(0, 1).grant
+    assert ask(0, 1).grant == g and c.nodes[0].outstanding == g  # retry: same answer, no new grant
+    g2 = ask(g, 2).grant
+    assert (c.done, c.nodes[0].outstanding) == (g, g2)
+    assert ask(g, 2).grant == g2 and (c.done, c.nodes[0].outstanding) == (g, g2)  # not twice
+    with pytest.raises(CoordinatorError, match="replayed") as e:
+        ask(g2, 1)
+    assert e.value.code == "FAILED_PRECONDITION" and c.done == g
+
+
+def test_replayed_round_reports_change_nothing():
+    c = make(l_comm=4, g_comm=4)
+    s = join_all(c, 2)
+    rnd, _ = drain(c, s, [0, 1])
+    c.report(0, s[0], rnd.id, Candidate(1, 0.5), 2, now=1)
+    with pytest.raises(CoordinatorError, match="already reported") as e:
+        c.report(0, s[0], rnd.id, Candidate(0, 0.1), 2, now=1)  # a better claim, replayed
+    assert e.value.code == "FAILED_PRECONDITION"
+    out = c.report(1, s[1], rnd.id, Candidate(2, 0.3), 2, now=1)
+    assert out.leader == Candidate(2, 0.3)
+    for i in (0, 1):
+        c.nodes[i].last_round_seen = rnd.id
+    rnd2, _ = drain(c, s, [0, 1])
+    assert rnd2.id > rnd.id
+    late = c.report(0, s[0], rnd.id, Candidate(0, 0.0), 2, now=2)  # an old round's report
+    assert late.missed and c.round.id == rnd2.id and not c.round.reports

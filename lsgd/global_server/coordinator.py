@@ -78,6 +78,8 @@ class NodeState:
     alive: bool = True
     left: bool = False
     consumed: int = 0  # total steps this node reported
+    last_seq: int = 0  # newest numbered credit request
+    last_grant: "Grant | None" = None  # the answer to it (given again to a retry)
 
 
 @dataclass
@@ -230,9 +232,29 @@ class Coordinator:
         self.done += consumed + late
 
     def acquire(self, index: int, session: int, *, consumed: int, late: int, released: int,
-                want: int, last_round_seen: int, now: float) -> Grant:
-        """Report consumed steps and ask for ``want`` more credits."""
+                want: int, last_round_seen: int, now: float, seq: int = 0) -> Grant:
+        """Report consumed steps and ask for ``want`` more credits.
+
+        ``seq`` numbers the node's requests: the same number again is a retry and gets the
+        same answer without counting anything twice; a smaller one is a replay and is refused.
+        """
         node = self._node(index, session, now)
+        if seq:
+            if seq < node.last_seq:
+                raise CoordinatorError("FAILED_PRECONDITION", f"credit request {seq} of node "
+                                       f"{index} is older than {node.last_seq} (replayed)")
+            if seq == node.last_seq and node.last_grant is not None:
+                return node.last_grant
+        grant = self._acquire(node, consumed=consumed, late=late, released=released, want=want,
+                              last_round_seen=last_round_seen, now=now)
+        if seq:
+            node.last_seq = seq
+        node.last_grant = grant  # also the later passes of a long-poll: the answer sent last
+        return grant
+
+    def _acquire(self, node: NodeState, *, consumed: int, late: int, released: int,
+                 want: int, last_round_seen: int, now: float) -> Grant:
+        index = node.index
         if last_round_seen > (self.round.id if self.round else 0):
             raise CoordinatorError("INVALID_ARGUMENT",
                                    f"round {last_round_seen} does not exist yet")

@@ -19,7 +19,9 @@ from pathlib import Path
 import grpc
 
 from ..config import JobConfig
+from ..files import private_dir, write_atomic
 from ..proto import lsgd_pb2_grpc as pb_grpc
+from ..security import SecretCheck, Security, is_loopback
 from ..wire import GRPC_OPTIONS
 from .coordinator import Coordinator, Schedule
 from .params import ParamStore
@@ -49,17 +51,22 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
     return GlobalServicer(coord, ParamStore(rule), config.round_timeout)
 
 
-def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64) -> tuple[grpc.Server, int]:
+def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64,
+                  security: Security | None = None) -> tuple[grpc.Server, int]:
     """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port).
 
-    The call counts are in ``servicer.calls.counts``.
+    With ``security``, calls must carry its secret and the port speaks TLS when it has a
+    certificate. The call counts are in ``servicer.calls.counts``.
     """
+    security = security or Security()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="lsgd-global"),
-                         options=SERVER_OPTIONS, interceptors=[servicer.calls])
+                         options=SERVER_OPTIONS,
+                         interceptors=[SecretCheck(security.secret), servicer.calls])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
+    creds = security.server_credentials()
     try:
-        port = server.add_insecure_port(address)
+        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
     except RuntimeError as exc:
         raise OSError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
@@ -68,7 +75,8 @@ def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64)
     return server, port
 
 
-def serve(config: JobConfig, ready: "object | None" = None, stop_event: threading.Event | None = None) -> int:
+def serve(config: JobConfig, ready: "object | None" = None, stop_event: threading.Event | None = None,
+          security: Security | None = None) -> int:
     """Run the global server until the job is over. Returns an exit code.
 
     Args:
@@ -82,18 +90,19 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     servicer = build_servicer(config)
-    bind = "127.0.0.1" if config.ip_addr in ("127.0.0.1", "localhost") else "0.0.0.0"
+    bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
         server, port = create_server(f"{bind}:{config.port}", servicer,
-                                     max_workers=max(32, 4 * config.num_groups + 16))
+                                     max_workers=max(32, 4 * config.num_groups + 16),
+                                     security=security)
     except OSError as exc:
         if ready is not None:
             ready.send(("error", str(exc)))
         log.error("%s", exc)
         return 1
     out = Path(config.run_dir) / "global"
-    out.mkdir(parents=True, exist_ok=True)
-    (out.parent / "global.port").write_text(f"{port}\n")
+    private_dir(out)
+    write_atomic(out.parent / "global.port", f"{port}\n")
     log.info("global server listening on %s:%d (job %s)", bind, port, config.job_id)
     if ready is not None:
         ready.send(("ready", port))
@@ -118,17 +127,16 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "calls": dict(servicer.calls.counts),
                                           "seconds": round(time.monotonic() - t0, 3)}
-        tmp = out / "summary.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2, default=str))
-        os.replace(tmp, out / "summary.json")
+        write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
         log.info("global server stopped: counter %d, %d rounds, %s", coord.done,
                  coord.rounds_opened, coord.stop_reason)
     return 0 if coord.finished else 1
 
 
-def process_main(config: JobConfig, conn: object, log_level: int) -> None:
+def process_main(config: JobConfig, conn: object, log_level: int,
+                 security: Security | None = None) -> None:
     """Entry point of the global server process started by node 0 (spawn context)."""
     import sys
 
     logging.basicConfig(level=log_level, format="%(asctime)s global %(levelname)s %(message)s")
-    sys.exit(serve(config, ready=conn))
+    sys.exit(serve(config, ready=conn, security=security))

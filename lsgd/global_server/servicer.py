@@ -145,7 +145,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         node = request.node
         end = self.clock() + min(MAX_CREDIT_WAIT, request.max_wait_ms / 1000.0)
         counts = dict(consumed=request.consumed, late=request.late_consumed,
-                      released=request.released)
+                      released=request.released, seq=request.seq)
         try:
             with self.cond:
                 self._check(node)
@@ -153,7 +153,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                     grant = self._change(lambda: self.coord.acquire(
                         node.node_index, node.session, want=request.want,
                         last_round_seen=request.last_round_seen, now=self.clock(), **counts))
-                    counts = dict(consumed=0, late=0, released=0)  # applied once
+                    counts = dict(consumed=0, late=0, released=0, seq=0)  # applied once
                     left = end - self.clock()
                     if not grant.wait or left <= 0 or not context.is_active():
                         break

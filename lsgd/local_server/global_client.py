@@ -19,6 +19,7 @@ import numpy as np
 from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
+from ..security import Security
 from ..wire import GRPC_OPTIONS, aligned_empty, steady_heap, wire_dtype
 
 log = logging.getLogger(__name__)
@@ -60,12 +61,16 @@ class RoundAnswer:
 class GlobalClient:
     """One node's connection to the global server."""
 
-    def __init__(self, address: str, job_id: str, node_index: int, round_timeout: float) -> None:
+    def __init__(self, address: str, job_id: str, node_index: int, round_timeout: float,
+                 security: Security | None = None) -> None:
         self.address = address
         self.job_id, self.node_index = job_id, node_index
         self.round_timeout = round_timeout
         self.session = 0
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._seq = 0  # credit requests numbered per session
+        security = security or Security()
+        self._md = security.metadata  # the job secret, on every call
+        self._channel = security.channel(address, CHANNEL_OPTIONS)
         self._stub = pb_grpc.GlobalServerStub(self._channel)
 
     def close(self) -> None:
@@ -84,8 +89,9 @@ class GlobalClient:
         delay = 0.1
         while True:
             try:
-                resp = self._stub.Join(req, timeout=min(RPC_TIMEOUT, max(1.0, end - time.monotonic())))
-                self.session = resp.session
+                resp = self._stub.Join(req, metadata=self._md,
+                                       timeout=min(RPC_TIMEOUT, max(1.0, end - time.monotonic())))
+                self.session, self._seq = resp.session, 0
                 return resp
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -93,20 +99,23 @@ class GlobalClient:
                 if time.monotonic() + delay > end:
                     raise GlobalUnreachable(
                         f"global server at {self.address} unreachable for {connect_timeout:g} s "
-                        f"(is node 0 running? check IP_ADDR and PORT)") from None
+                        f"(is node 0 running? check IP_ADDR and PORT, and that TLS_CA, TLS_CERT "
+                        f"and MTLS match node 0's); last error: {exc.details()}") from None
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
     def heartbeat(self) -> int:
-        return self._stub.Heartbeat(pb.HeartbeatRequest(node=self._node()), timeout=RPC_TIMEOUT).counter
+        return self._stub.Heartbeat(pb.HeartbeatRequest(node=self._node()), timeout=RPC_TIMEOUT,
+                                    metadata=self._md).counter
 
     def acquire(self, *, consumed: int, late: int, released: int, want: int,
                 last_round_seen: int, max_wait: float) -> CreditAnswer:
+        self._seq += 1
         resp = self._stub.AcquireCredits(
             pb.AcquireCreditsRequest(node=self._node(), consumed=consumed, late_consumed=late,
                                      released=released, want=want, last_round_seen=last_round_seen,
-                                     max_wait_ms=int(max_wait * 1000)),
-            timeout=RPC_TIMEOUT)
+                                     max_wait_ms=int(max_wait * 1000), seq=self._seq),
+            timeout=RPC_TIMEOUT, metadata=self._md)
         return CreditAnswer(resp.grant, resp.round.id, resp.round.kind, resp.round.iteration,
                             resp.counter)
 
@@ -116,14 +125,15 @@ class GlobalClient:
             req.has_best = True
             req.best.worker_id = best.worker_id
             req.best.loss = best.loss
-        resp = self._stub.ReportRound(req, timeout=self.round_timeout + RPC_TIMEOUT)
+        resp = self._stub.ReportRound(req, timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
         return RoundAnswer(resp.missed, leader, resp.leader_node if resp.has_leader else None,
                            resp.participants, tuple(resp.nodes), resp.evaluate)
 
     def leave(self, consumed: int, late: int) -> int:
         return self._stub.Leave(pb.LeaveRequest(node=self._node(), consumed=consumed,
-                                                late_consumed=late), timeout=RPC_TIMEOUT).counter
+                                                late_consumed=late),
+                                timeout=RPC_TIMEOUT, metadata=self._md).counter
 
     # ------------------------------------------------------------------ parameters
     # Chunks travel as hand-encoded protobuf bytes (the wire format of lsgd.proto, unchanged):
@@ -163,7 +173,7 @@ class GlobalClient:
             call = self._raw_push = self._channel.stream_unary(
                 "/lsgd.v1.GlobalServer/PushParams", request_serializer=None,
                 response_deserializer=pb.PushParamsResponse.FromString)
-        call(requests(), timeout=self.round_timeout + RPC_TIMEOUT)
+        call(requests(), timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
 
     def pull(self, buffer: str, out: np.ndarray, round_id: int, wire: str = "float32") -> None:
         """Download the server's ``buffer`` for ``round_id`` into ``out`` (a flat float32 view).
@@ -185,7 +195,7 @@ class GlobalClient:
         stream = call(pb.PullParamsRequest(node=self._node(), round_id=round_id,
                                            buffer=BUFFER_KINDS[buffer], chunk_elements=PULL_CHUNK,
                                            wire_format=WIRE_FORMATS[wire]),
-                      timeout=self.round_timeout + RPC_TIMEOUT)
+                      timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
         pos = 0
         try:
             for msg in stream:

@@ -8,6 +8,8 @@ naming the leader that was evaluated.
 from __future__ import annotations
 
 import csv
+
+from ..files import open_private, private_dir
 import math
 from pathlib import Path
 
@@ -20,8 +22,8 @@ class MetricsWriter:
     """Appends rows to ``metrics.csv`` in the node's run directory, flushed every round."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = path.open("w", newline="")
+        private_dir(path.parent)
+        self._file = open_private(path, "w", newline="")
         self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
         self._csv.writeheader()
 

@@ -31,8 +31,10 @@ import grpc
 import numpy as np
 
 from ..config import JobConfig
+from ..files import private_dir, write_atomic
 from ..leader import Candidate, elect
 from ..rules import ops
+from ..security import Security
 from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind, RoundRoles
 from ..worker.client import WorkerContext
 from ..worker.process import worker_main
@@ -97,7 +99,8 @@ class Report:
 class LocalServer:
     """Runs one node of a job. ``run()`` returns the process exit code."""
 
-    def __init__(self, config: JobConfig, address: str, log_level: int = logging.INFO) -> None:
+    def __init__(self, config: JobConfig, address: str, log_level: int = logging.INFO,
+                 security: Security | None = None) -> None:
         self.cfg = config
         self.rule = config.make_rule()
         self.address = address
@@ -111,7 +114,8 @@ class LocalServer:
         self.last_acquire = time.monotonic()
         self.workers: list[WorkerState] = []
         self.store: NodeStore | None = None
-        self.client = GlobalClient(address, config.job_id, config.node_index, config.round_timeout)
+        self.client = GlobalClient(address, config.job_id, config.node_index, config.round_timeout,
+                                   security)
         self.heartbeat: Heartbeat | None = None
         self.pool = 0
         self.share = 1  # credits handed to a worker per request
@@ -121,7 +125,7 @@ class LocalServer:
         self.rounds = 0
         self.t0 = time.monotonic()
         self.dir = Path(config.run_dir) / f"node{config.node_index}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.dir)
         self.metrics = MetricsWriter(self.dir / "metrics.csv")
         self.summary: dict = {}
         self.layout_name: str | None = None
@@ -162,9 +166,6 @@ class LocalServer:
                 "(is node 0 running? check IP_ADDR and PORT)") from None
 
     def _start_workers(self) -> None:
-        # Workers share the node's cores: numeric libraries must not each start one thread per
-        # core (PyTorch, OpenBLAS). The user's own OMP_NUM_THREADS wins.
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // self.cfg.workers)))
         for i in range(self.cfg.workers):
             proc, replies = self._spawn(i, evaluator=False, name=f"worker-{self.cfg.worker_id(i)}")
             self.workers.append(WorkerState(i, self.cfg.worker_id(i), proc, replies, time.monotonic()))
@@ -215,9 +216,7 @@ class LocalServer:
         self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
         self.summary["shm"] = self.layout_name
         self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
-        tmp = self.dir / "summary.json.tmp"
-        tmp.write_text(json.dumps(self.summary, indent=2))
-        os.replace(tmp, self.dir / "summary.json")
+        write_atomic(self.dir / "summary.json", json.dumps(self.summary, indent=2))
 
     # ------------------------------------------------------------------ messaging
     def _send(self, w: WorkerState | Evaluator, msg: object) -> None:

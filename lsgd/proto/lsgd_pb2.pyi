@@ -85,7 +85,7 @@ class HeartbeatResponse(_message.Message):
     def __init__(self, counter: _Optional[int] = ...) -> None: ...
 
 class AcquireCreditsRequest(_message.Message):
-    __slots__ = ("node", "consumed", "late_consumed", "released", "want", "last_round_seen", "max_wait_ms")
+    __slots__ = ("node", "consumed", "late_consumed", "released", "want", "last_round_seen", "max_wait_ms", "seq")
     NODE_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     LATE_CONSUMED_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +93,7 @@ class AcquireCreditsRequest(_message.Message):
     WANT_FIELD_NUMBER: _ClassVar[int]
     LAST_ROUND_SEEN_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     consumed: int
     late_consumed: int
@@ -100,7 +101,8 @@ class AcquireCreditsRequest(_message.Message):
     want: int
     last_round_seen: int
     max_wait_ms: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., consumed: _Optional[int] = ..., late_consumed: _Optional[int] = ..., released: _Optional[int] = ..., want: _Optional[int] = ..., last_round_seen: _Optional[int] = ..., max_wait_ms: _Optional[int] = ...) -> None: ...
+    seq: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., consumed: _Optional[int] = ..., late_consumed: _Optional[int] = ..., released: _Optional[int] = ..., want: _Optional[int] = ..., last_round_seen: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
 
 class Round(_message.Message):
     __slots__ = ("id", "kind", "iteration")

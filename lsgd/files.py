@@ -1,0 +1,44 @@
+"""Files lsgd writes: readable by their owner only, replaced atomically.
+
+Run directories are created mode 0700 and files mode 0600 (the job's metrics, summaries and
+checkpoints are nobody else's business). ``write_atomic`` writes a temporary file, fsyncs it and
+renames it over the target, so a reader (or a crash) never sees half a file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import IO
+
+
+def private_dir(path: str | Path) -> Path:
+    """Create ``path`` (and parents) if needed; the directory itself is made mode 0700."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(path, 0o700)
+    return path
+
+
+def open_private(path: str | Path, mode: str = "w", **kwargs) -> IO:
+    """Open ``path`` for writing, created (or truncated) with mode 0600."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if "a" in mode else os.O_TRUNC)
+    fd = os.open(path, flags, 0o600)
+    os.fchmod(fd, 0o600)
+    return os.fdopen(fd, mode, **kwargs)
+
+
+def write_atomic(path: str | Path, data: str | bytes) -> None:
+    """Replace ``path`` with ``data``: temporary file, fsync, rename, fsync of the directory."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open_private(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
