@@ -45,6 +45,11 @@ class LossWindow:
         return len(self._losses) == self.size and all(math.isfinite(float(x)) for x in self._losses)
 
     @property
+    def finite(self) -> bool:
+        """False when a loss in the window is NaN or infinite (the worker has diverged)."""
+        return all(math.isfinite(float(x)) for x in self._losses)
+
+    @property
     def estimate(self) -> float:
         """Mean of the window; NaN when not eligible."""
         if len(self._losses) < self.size:

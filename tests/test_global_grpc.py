@@ -199,3 +199,13 @@ def test_evaluation_round_averages_sums_and_the_leader_need_not_wait_for_them():
     store.push(1, 5, "sum", 4, 2, chunks(6.0))
     got = b"".join(part for _, part in store.pull(5, "average", 1 << 20, timeout=0.5))
     np.testing.assert_array_equal(np.frombuffer(got, np.float32), 2.0)  # (2 + 6) / 4 workers
+
+
+def test_non_finite_uploads_are_refused_and_change_no_buffer():
+    store = ParamStore(EASGD(alpha=0.1))
+    store.set_param_count(4)
+    bad = np.array([1.0, np.nan, 2.0, 3.0], np.float32)
+    with pytest.raises(ParamError, match="non-finite values at element 1") as e:
+        store.push(0, 0, "center", 4, 0, iter([(0, bad.tobytes())]))
+    assert e.value.code == "INVALID_ARGUMENT" and not store.center_ready
+    assert not store.buffers["center"].any()

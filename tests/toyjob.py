@@ -3,6 +3,7 @@
 Fault knobs (environment): TOYJOB_DIE="<worker>:<step>" SIGKILLs that worker at that step,
 TOYJOB_STALL="<worker>:<step>[:<seconds>]" makes it sleep there (600 s by default),
 TOYJOB_QUIT="<worker>:<step>" ends that worker's loop early (it returns without being told to),
+TOYJOB_NAN="<worker>:<step>" makes its parameters NaN there (a diverged model),
 TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With TOYJOB_COUNT_DIR
 set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
 when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
@@ -51,6 +52,7 @@ def main(worker):
     worker.register(WithStats(x, stats) if stats.size else [x], evaluate=evaluate)
     delay = float(os.environ.get("TOYJOB_STEP_SECONDS", "0"))
     die, stall, quit_at = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL"), _fault("TOYJOB_QUIT")
+    nan_at = _fault("TOYJOB_NAN")
     step = 0
     while True:
         step += 1
@@ -58,6 +60,8 @@ def main(worker):
             os.kill(os.getpid(), signal.SIGKILL)
         if (worker.worker_id, step) == stall[:2]:
             time.sleep(stall[2] if len(stall) > 2 else 600)
+        if (worker.worker_id, step) == nan_at:
+            x[::7] = np.nan
         noise = rng.normal(0, 0.1, x.size).astype(np.float32)
         x -= np.float32(cfg.lr) * (x - target + noise)
         if delay:
@@ -72,3 +76,5 @@ def main(worker):
             f.write(str(step))
         if stats.size:
             np.savetxt(os.path.join(count_dir, f"{worker.worker_id}.stats"), stats)
+        with open(os.path.join(count_dir, f"{worker.worker_id}.finite"), "w") as f:
+            f.write(str(bool(np.isfinite(x).all())))

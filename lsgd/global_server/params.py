@@ -211,6 +211,9 @@ class ParamStore:
                                  f"{pos} of {target.size} elements")
             n = len(data) // size
             src = np.frombuffer(data, dtype=dtype)
+            if not np.isfinite(src).all():  # a diverged or hostile node must not poison the job
+                raise ParamError("INVALID_ARGUMENT", f"upload has non-finite values at element "
+                                 f"{pos + int(np.argmin(np.isfinite(src)))}")
             if not add:
                 np.copyto(target[pos : pos + n], src, casting="unsafe")  # decodes bfloat16
             else:

@@ -66,6 +66,7 @@ class Join:
     loss: float  # running loss estimate; NaN when the window is not full or not finite
     consumed: int
     iterations: int  # the worker's own step count so far
+    healthy: bool = True  # its recent losses and its parameters are all finite
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Pull:
     pulls: tuple[tuple[str, float], ...]
     reset_window: bool
     stats_averaged: bool = False  # the slot's statistics now hold the participants' mean
+    reset: bool = False  # non-finite worker: overwrite the whole slot with the one buffer named
 
 
 @dataclass(frozen=True)

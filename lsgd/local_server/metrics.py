@@ -1,8 +1,8 @@
 """The per-node metrics CSV: one row per worker and round, and one per evaluated metric.
 
-Round rows fill ``round`` .. ``pull_center``. Evaluation rows (node 0 only) have kind ``eval``
-and fill ``target`` (leader | average | center), ``metric`` and ``value``, with ``worker_id``
-naming the leader that was evaluated.
+Round rows fill ``round`` .. ``reset`` (the buffer a non-finite worker was reset to).
+Evaluation rows (node 0 only) have kind ``eval`` and fill ``target`` (leader | average |
+center), ``metric`` and ``value``, with ``worker_id`` naming the leader that was evaluated.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 COLUMNS = ["round", "kind", "iteration", "time_s", "worker_id", "worker_iterations", "loss",
            "local_leader", "global_leader", "pull_local", "pull_global", "pull_center",
-           "target", "metric", "value"]
+           "reset", "target", "metric", "value"]
 
 
 class MetricsWriter:

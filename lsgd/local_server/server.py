@@ -132,6 +132,7 @@ class LocalServer:
         self.stats_count = 0  # trailing statistics entries, never pulled
         self.average_stats = False  # ... and averaged over each round's participants
         self.eval_leader: dict[int, int | None] = {}  # round -> leader id being evaluated
+        self.resets: dict[int, int] = {}  # worker id -> resets after non-finite values
         self.evaluator: Evaluator | None = None
 
     # ------------------------------------------------------------------ lifecycle
@@ -213,6 +214,7 @@ class LocalServer:
             self.summary["evaluator"] = {"evaluations": self.evaluator.done,
                                          "skipped": self.evaluator.skipped,
                                          "exit_code": self.evaluator.proc.exitcode}
+        self.summary["resets"] = self.resets
         self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
         self.summary["shm"] = self.layout_name
         self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
@@ -442,6 +444,10 @@ class LocalServer:
             self.report.released += self.pool
             self.pool = 0
         joins = self._collect_joins(rid, kind)
+        # A worker whose recent losses or parameters are not finite takes no part in the round:
+        # it cannot lead, is in no sum, and is reset to a leader or the center below.
+        sick = {i: j for i, j in joins.items() if not j.healthy}
+        joins = {i: j for i, j in joins.items() if j.healthy}
         cands = [Candidate(self.workers[i].worker_id, j.loss) for i, j in joins.items()]
         best = elect(cands)
         local_of = {w.worker_id: w.local for w in self.workers}
@@ -473,11 +479,12 @@ class LocalServer:
             roles = RoundRoles(self.workers[i].worker_id, best.worker_id if best else None,
                                global_leader, self.multi_node)
             self._send(self.workers[i], m.Pull(rid, tuple(self.rule.pulls(kind, roles)), True, averaged))
+        resets = self._reset_sick(rid, kind, sick, best is not None)
         if upload:
             self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)
         if (center or evaluate) and joins and answer and not answer.missed:
             self._push(SUM, SUM, rid, summands=len(joins))
-        dones = self._collect_dones(rid, set(joins))
+        dones = self._collect_dones(rid, set(joins) | set(sick))
         fresh_center = False
         if center and answer and not answer.missed:
             if len(dones) == len(joins):
@@ -497,8 +504,30 @@ class LocalServer:
             "global_leader": global_leader,
             "pull_local": dones.get(i, {}).get(LOCAL_LEADER),
             "pull_global": dones.get(i, {}).get(GLOBAL_LEADER),
-            "pull_center": dones.get(i, {}).get(CENTER)} for i, j in joins.items()])
+            "pull_center": dones.get(i, {}).get(CENTER), "reset": resets.get(i)}
+            for i, j in (joins | sick).items()])
         return False
+
+    def _reset_sick(self, rid: int, kind: RoundKind, sick: dict[int, m.Join],
+                    new_local_leader: bool) -> dict[int, str]:
+        """Tell each non-finite worker to copy a good model: the center (EASGD), else this
+        round's local leader, else the newest global leader (every node buffer only ever holds
+        the finite parameters of a healthy worker, or the initial ones)."""
+        if not sick:
+            return {}
+        if self.rule.exchange == Exchange.CENTER:
+            target = CENTER
+        elif new_local_leader and kind == RoundKind.LOCAL and LOCAL_LEADER in self.store.layout.buffers:
+            target = LOCAL_LEADER
+        else:
+            target = GLOBAL_LEADER
+        for i in sick:
+            w = self.workers[i]
+            log.warning("round %d: worker %d has non-finite losses or parameters; resetting it to "
+                        "the %s", rid, w.worker_id, target.replace("_", " "))
+            self.resets[w.worker_id] = self.resets.get(w.worker_id, 0) + 1
+            self._send(w, m.Pull(rid, ((target, 1.0),), True, reset=True))
+        return {i: target for i in sick}
 
     def _average_stats(self, joins: dict[int, m.Join]) -> bool:
         """Set every participant's statistics (the slot's tail) to their mean over ``joins``."""

@@ -245,10 +245,19 @@ class Worker:
         assert self._store is not None and self._params is not None
         slot = self._store.slot(self.local_index)
         self._params.read_into(slot)
+        healthy = self._window.finite and ops.all_finite(slot)  # checked by each worker itself
         self._send(m.Join(self.local_index, call.round_id, self._window.estimate,
-                          self._take_unreported(), self.iterations))
+                          self._take_unreported(), self.iterations, healthy))
         while True:
             msg = self._get()
+            if isinstance(msg, m.Pull) and msg.reset:  # diverged: start again from a good model
+                (name, _), = msg.pulls
+                ops.copy_(slot, self._store.buffer(name))
+                self._params.write_from(slot)
+                self._window.reset()
+                log.warning("non-finite loss or parameters: reset to the %s", name)
+                self._send(m.Done(self.local_index, msg.round_id, {}))
+                return True
             if isinstance(msg, m.Pull):
                 distances = {}
                 n = self._pulled_count
