@@ -69,6 +69,8 @@ class JobConfig:
     mtls: bool = _f(False, "mutual TLS: node 0 accepts only clients with a certificate from tls_ca")
     allow_insecure: bool = _f(False, "let node 0 listen beyond loopback without a secret (trusted "
                               "networks only)")
+    respawn: int = _f(2, "times a worker process that dies (killed, crashed) is started again, "
+                      "from the leader or the center; 0: the node goes on without it")
     round_timeout: float = _f(30.0, "seconds a round waits for late workers or nodes")
     node_timeout: float = _f(5.0, "seconds of silence after which the global server drops a node")
     join_timeout: float = _f(60.0, "seconds the job waits for all nodes to join before it starts")
@@ -130,6 +132,7 @@ class JobConfig:
                  f"entry '{self.entry}' must be package.module:function or path/to/script.py")
         need(self.shard in ("permutation", "disjoint"),
              f"shard '{self.shard}' is unknown; choose permutation or disjoint")
+        need(self.respawn >= 0, f"respawn must be >= 0, got {self.respawn}")
         need(self.eval_every >= 0, f"eval_every must be >= 0 iterations, got {self.eval_every}")
         need(self.wire in ("float32", "bfloat16"),
              f"wire '{self.wire}' is unknown; choose float32 or bfloat16")

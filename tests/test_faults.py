@@ -36,3 +36,61 @@ def test_a_diverged_worker_never_leads_and_is_reset(cluster, tmp_path, algorithm
     assert all((tmp_path / f"{w}.finite").read_text() == "True" for w in range(2 * nodes))
     assert global_summary(cluster.run_dir)["counter"] == 4000
     assert_clean_exit(cluster.run_dir, started)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+def test_a_killed_worker_is_respawned_from_the_leader_or_center(cluster, tmp_path, algorithm):
+    node = cluster(0, PORT=0, ITERATIONS=6000, ALGORITHM=algorithm, TOYJOB_DIE="1:300",
+                   TOYJOB_COUNT_DIR=tmp_path, **TOY)
+    assert node.wait(90) == 0, node.output
+    s = node.summary()
+    died = float((tmp_path / "1.died").read_text())
+    (respawned,) = s["respawns"]["1"]
+    assert 0 < respawned - died < 2.0  # noticed and started again within 2 s
+    point = "center" if algorithm == "easgd" else "global leader"
+    assert f"worker 1: started again (1 of at most 2), from the {point}" in node.output
+    assert s["worker_exit_codes"] == {"0": 0, "1": 0}  # the new process ended normally
+    assert s["workers"]["1"] > 1000  # ...after training on
+    assert global_summary(cluster.run_dir)["counter"] == 6000  # steps counted exactly once
+    assert int((tmp_path / "1.count").read_text()) > 500  # its second life's own step count
+    assert_clean_exit(cluster.run_dir, [node])
+
+
+@pytest.mark.timeout(60)
+def test_a_python_error_in_the_users_loop_is_not_respawned(cluster):
+    # the same code would fail the same way: the node goes on without that worker
+    node = cluster(0, PORT=0, ITERATIONS=3000, TOYJOB_RAISE="1:200", **TOY)
+    assert node.wait(60) == 0, node.output
+    assert "worker 1 failed: RuntimeError: a bug in the training loop" in node.output
+    assert "started again" not in node.output and not node.summary()["respawns"]
+    assert global_summary(cluster.run_dir)["counter"] == 3000
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+def test_a_lost_node_is_dropped_and_rejoins(cluster, algorithm):
+    import time
+
+    knobs = dict(NUM_GROUPS=2, NODE_TIMEOUT=2, ROUND_TIMEOUT=5, ITERATIONS=40000, ALGORITHM=algorithm,
+                 TOYJOB_STEP_SECONDS="0.0005", **TOY)
+    n0 = cluster(0, PORT=0, **knobs)
+    port = cluster.port_of_node0()
+    n1 = cluster(1, PORT=port, **knobs)
+    metrics = cluster.run_dir / "node1" / "metrics.csv"
+    end = time.monotonic() + 60
+    while time.monotonic() < end and len(metrics.read_text().splitlines() if metrics.exists() else []) < 6:
+        time.sleep(0.1)
+    n1.kill_group()  # the node's local server and workers die at once
+    killed = time.monotonic()
+    while "node 1 dropped" not in n0.output and time.monotonic() < killed + 15:
+        time.sleep(0.05)
+    assert "node 1 dropped" in n0.output
+    assert time.monotonic() - killed < 5.0  # noticed within 5 s (NODE_TIMEOUT=2)
+    again = cluster(1, PORT=port, **knobs)
+    assert n0.wait(120) == 0, n0.output
+    assert again.wait(30) == 0, again.output
+    point = "center" if algorithm == "easgd" else "global leader"
+    assert f"node 1 joins a running job; its workers start from the {point}" in again.output
+    assert sum(again.summary()["workers"].values()) > 0
+    assert global_summary(cluster.run_dir)["counter"] == 40000

@@ -1,9 +1,11 @@
 """A tiny numpy worker job for tests: noisy gradient descent on a quadratic.
 
-Fault knobs (environment): TOYJOB_DIE="<worker>:<step>" SIGKILLs that worker at that step,
+Fault knobs (environment): TOYJOB_DIE="<worker>:<step>" SIGKILLs that worker at that step (in its first life; the time goes
+to ``<dir>/<worker_id>.died``),
 TOYJOB_STALL="<worker>:<step>[:<seconds>]" makes it sleep there (600 s by default),
 TOYJOB_QUIT="<worker>:<step>" ends that worker's loop early (it returns without being told to),
 TOYJOB_NAN="<worker>:<step>" makes its parameters NaN there (a diverged model),
+TOYJOB_RAISE="<worker>:<step>" raises a Python error there (a bug in the user's code),
 TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With TOYJOB_COUNT_DIR
 set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
 when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
@@ -52,14 +54,19 @@ def main(worker):
     worker.register(WithStats(x, stats) if stats.size else [x], evaluate=evaluate)
     delay = float(os.environ.get("TOYJOB_STEP_SECONDS", "0"))
     die, stall, quit_at = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL"), _fault("TOYJOB_QUIT")
-    nan_at = _fault("TOYJOB_NAN")
+    nan_at, raise_at = _fault("TOYJOB_NAN"), _fault("TOYJOB_RAISE")
     step = 0
     while True:
         step += 1
-        if (worker.worker_id, step) == die:
+        if (worker.worker_id, step) == die and not worker.restarts:  # its first life only
+            if os.environ.get("TOYJOB_COUNT_DIR"):
+                with open(os.path.join(os.environ["TOYJOB_COUNT_DIR"], f"{worker.worker_id}.died"), "w") as f:
+                    f.write(repr(time.time()))
             os.kill(os.getpid(), signal.SIGKILL)
         if (worker.worker_id, step) == stall[:2]:
             time.sleep(stall[2] if len(stall) > 2 else 600)
+        if (worker.worker_id, step) == raise_at:
+            raise RuntimeError("a bug in the training loop")
         if (worker.worker_id, step) == nan_at:
             x[::7] = np.nan
         noise = rng.normal(0, 0.1, x.size).astype(np.float32)

@@ -62,6 +62,11 @@ class ParamStore:
         self.center_ready = False
         self._seeding = False
         self.exchange: Exchange | None = None
+        # Writes to the leader and the center bump their version before and after (odd: being
+        # written), so a download outside a round (round 0: a node joining a running job)
+        # can tell that it read one consistent vector.
+        self.versions = {LEADER: 0, CENTER: 0}
+        self.leader_complete = False  # the leader buffer holds a whole uploaded leader
         self._cond = threading.Condition()
 
     def check_param_count(self, count: int) -> None:
@@ -125,6 +130,7 @@ class ParamStore:
         if ex.sums_ok and ex.summands > 0:
             if ex.kind == RoundKind.GLOBAL and self.rule.exchange == ExchangeKind.CENTER:
                 self.rule.update_center_(self.buffers[CENTER], self.buffers[SUM], ex.summands)
+                self.versions[CENTER] += 2
             if ex.average:
                 ops.scale_(self.buffers[SUM], 1.0 / ex.summands)  # SUM now holds the average
         self._cond.notify_all()
@@ -167,11 +173,17 @@ class ParamStore:
                 # Taken: a retry cannot add twice, and the round cannot settle mid-upload.
                 ex.expected.discard((node, buffer))
                 ex.in_flight.add((node, buffer))
+            if buffer in self.versions:
+                self.versions[buffer] += 1
+                if buffer == LEADER:
+                    self.leader_complete = False
         target = self.buffers[SUM if buffer == SUM else (CENTER if buffer == CENTER else LEADER)]
         try:
             self._receive(target, chunks, add=(buffer == SUM), exchange=ex, dtype=dtype)
         except Exception as exc:
             with self._cond:
+                if buffer in self.versions:
+                    self.versions[buffer] += 1
                 if ex is None:
                     self._seeding = False
                     self._cond.notify_all()
@@ -184,6 +196,9 @@ class ParamStore:
                         self._maybe_settle()
             raise
         with self._cond:
+            if buffer in self.versions:
+                self.versions[buffer] += 1
+                self.leader_complete = self.leader_complete or buffer == LEADER
             if ex is None:
                 self.center_ready, self._seeding = True, False
             else:
@@ -253,6 +268,7 @@ class ParamStore:
                 if left <= 0:
                     raise ParamError("DEADLINE_EXCEEDED", f"{buffer} not ready: {reason}")
                 self._cond.wait(min(left, 0.2))
+            version = self.versions.get(buffer)
         src = self.buffers[SUM if buffer == AVERAGE else buffer]
         stage = None if dtype == src.dtype else aligned_empty(min(chunk, src.size), dtype)
         for lo in range(0, src.size, chunk):
@@ -261,6 +277,8 @@ class ParamStore:
                 np.copyto(stage[: part.size], part, casting="unsafe")
                 part = stage[: part.size]
             yield lo, part.tobytes()
+        if not round_id and version is not None and self.versions[buffer] != version:
+            raise ParamError("ABORTED", f"{buffer} changed during the download; try again")
         if round_id and (self.exchange is None or self.exchange.round_id != round_id):
             raise ParamError("ABORTED", f"{buffer} changed during the download of round {round_id}")
 
@@ -268,8 +286,12 @@ class ParamStore:
         """None when ready; a reason to wait; a reason starting with '!' to give up."""
         if self.param_count is None:
             return "no node has joined"
+        if buffer in self.versions and self.versions[buffer] % 2:
+            return f"{buffer} is being written"
         if buffer == CENTER and round_id == 0:
             return None if self.center_ready else "the center is not seeded yet"
+        if buffer == LEADER and round_id == 0:  # the newest leader, outside any round
+            return None if self.leader_complete else "!no global leader has been uploaded yet"
         ex = self.exchange
         if ex is None or ex.round_id < round_id:
             return f"round {round_id} has not closed"

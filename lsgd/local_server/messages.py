@@ -109,6 +109,7 @@ class Failed:
 @dataclass(frozen=True)
 class Setup:
     layout: StoreLayout
+    from_slot: bool = False  # start from the parameters already in your slot (a leader/center)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import os
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -41,7 +41,7 @@ from ..worker.process import worker_main
 from . import messages as m
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
 from .metrics import MetricsWriter
-from .store import NodeStore, StoreLayout
+from .store import NodeStore, StoreLayout, reclaim_stale
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ class WorkerState:
     absent: bool = False  # missed a round; rounds do not wait for it until it is heard from
     gone: bool = False
     error: str | None = None
+    reported: bool = False  # it reported its own failure (a Python error): not respawned
+    respawns: list[float] = field(default_factory=list)  # time.time() of each respawn
 
 
 @dataclass
@@ -168,14 +170,16 @@ class LocalServer:
 
     def _start_workers(self) -> None:
         for i in range(self.cfg.workers):
-            proc, replies = self._spawn(i, evaluator=False, name=f"worker-{self.cfg.worker_id(i)}")
+            proc, replies = self._spawn(i, evaluator=False, name=f"worker-{self.cfg.worker_id(i)}", restarts=0)
             self.workers.append(WorkerState(i, self.cfg.worker_id(i), proc, replies, time.monotonic()))
         if self.cfg.eval_every and self.cfg.node_index == 0:
             self.evaluator = Evaluator(*self._spawn(m.EVALUATOR, evaluator=True, name="evaluator"))
 
-    def _spawn(self, local: int, evaluator: bool, name: str) -> tuple[mp.process.BaseProcess, object]:
+    def _spawn(self, local: int, evaluator: bool, name: str,
+               restarts: int = 0) -> tuple[mp.process.BaseProcess, object]:
         replies = self.mp.Queue()
-        ctx = WorkerContext(self.cfg, local, self.inbox, replies, os.getpid(), self.beat, evaluator)
+        ctx = WorkerContext(self.cfg, local, self.inbox, replies, os.getpid(), self.beat, evaluator,
+                            restarts)
         proc = self.mp.Process(target=worker_main, args=(ctx, self.log_level), name=f"lsgd-{name}",
                                daemon=True)
         proc.start()
@@ -215,6 +219,7 @@ class LocalServer:
                                          "skipped": self.evaluator.skipped,
                                          "exit_code": self.evaluator.proc.exitcode}
         self.summary["resets"] = self.resets
+        self.summary["respawns"] = {w.worker_id: w.respawns for w in self.workers if w.respawns}
         self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
         self.summary["shm"] = self.layout_name
         self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
@@ -247,6 +252,8 @@ class LocalServer:
         for w in self._live():
             if w.proc.exitcode is not None:
                 self._gone(w, f"process exited with code {w.proc.exitcode}")
+                if not w.reported and not self.stopping and self.store is not None:
+                    self._respawn(w)
             elif (w.outstanding and not w.released and w.local not in self.pending
                   and now - w.last_contact > self.cfg.round_timeout):
                 log.warning("worker %d silent for %.0f s holding %d credits; releasing them",
@@ -278,7 +285,11 @@ class LocalServer:
         if w.absent:
             w.absent = False
             log.info("worker %d is back", w.worker_id)
+        if isinstance(msg, m.Hello) and self.store is not None:
+            self._setup_respawned(w, msg)
+            return None
         if isinstance(msg, m.Failed):
+            w.reported = True
             if msg.trace:
                 log.error("worker %d failed: %s\n%s", w.worker_id, msg.error, msg.trace.rstrip())
             else:
@@ -295,6 +306,43 @@ class LocalServer:
             self._check_workers()
             return None
         return msg
+
+    # ------------------------------------------------------------------ respawn
+    def _restart_point(self) -> str:
+        """The node buffer a fresh worker starts from: the center, else the newest leader."""
+        return CENTER if self.rule.exchange == Exchange.CENTER else GLOBAL_LEADER
+
+    def _respawn(self, w: WorkerState) -> None:
+        """Policy: a worker that died without reporting an error (killed, crashed) is started
+        again, at most ``respawn`` times, from the leader or the center; a Python error in the
+        user's code is not retried (it would fail the same way)."""
+        if len(w.respawns) >= self.cfg.respawn:
+            if self.cfg.respawn:
+                log.warning("worker %d died %d times; the node goes on without it", w.worker_id,
+                            len(w.respawns) + 1)
+            return
+        old = w.replies
+        w.proc, w.replies = self._spawn(w.local, evaluator=False, name=f"worker-{w.worker_id}",
+                                        restarts=len(w.respawns) + 1)
+        old.cancel_join_thread()
+        old.close()
+        w.respawns.append(time.time())
+        w.gone, w.error, w.released, w.outstanding = False, None, False, 0
+        w.absent = True  # rounds do not wait for it while it builds its model
+        w.last_contact = time.monotonic()
+        log.warning("worker %d: started again (%d of at most %d), from the %s", w.worker_id,
+                    len(w.respawns), self.cfg.respawn, self._restart_point().replace("_", " "))
+
+    def _setup_respawned(self, w: WorkerState, hello: m.Hello) -> None:
+        assert self.store is not None
+        if (hello.param_count, hello.stats_count) != (self.store.layout.param_count, self.stats_count):
+            w.reported = True
+            self._send(w, m.Stop("model size changed"))
+            self._gone(w, f"built a model of {hello.param_count} parameters; the node's has "
+                          f"{self.store.layout.param_count}")
+            return
+        ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
+        self._send(w, m.Setup(self.store.layout, from_slot=True))
 
     def _account(self, w: WorkerState, consumed: int) -> None:
         w.iterations += consumed
@@ -324,18 +372,22 @@ class LocalServer:
         ((param_count, self.stats_count, self.average_stats),) = sizes
         layout = StoreLayout.new(self.cfg.job_id, self.cfg.node_index, param_count, self.cfg.workers,
                                  self.rule.node_buffers)
+        reclaim_stale(self.cfg.job_id, self.cfg.node_index)
         self.store = NodeStore.create(layout)
         self.layout_name = layout.name
-        for w in self._live():
-            self._send(w, m.Setup(layout))
-        if self.evaluator is not None and self.evaluator.hello is not None:
-            self._from_evaluator(self.evaluator.hello)
         resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
                                 algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
                                 connect_timeout=self.cfg.connect_timeout)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
                                    give_up=max(2 * self.cfg.node_timeout, 10.0))
         self.heartbeat.start()
+        start = self._rejoin_point() if resp.counter > 0 else None
+        for w in self._live():
+            if start is not None:
+                ops.copy_(self.store.slot(w.local), self.store.buffer(start))
+            self._send(w, m.Setup(layout, from_slot=start is not None))
+        if self.evaluator is not None and self.evaluator.hello is not None:
+            self._from_evaluator(self.evaluator.hello)
         ready: set[int] = set()
         while len(ready) < len(self._live()):
             if time.monotonic() > end:
@@ -359,6 +411,18 @@ class LocalServer:
                 raise NodeError("could not download the initial EASGD center")
         log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,
                  self.cfg.job_id, len(ready), param_count)
+
+    def _rejoin_point(self) -> str | None:
+        """Joining a running job (a restarted node): download the center or the newest leader
+        for the workers to start from; None (start from the model's own init) if there is none."""
+        start = self._restart_point()
+        if self._pull(start, start, 0):
+            log.info("node %d joins a running job; its workers start from the %s",
+                     self.cfg.node_index, start.replace("_", " "))
+            return start
+        log.warning("node %d joins a running job without a %s to start from", self.cfg.node_index,
+                    start.replace("_", " "))
+        return None
 
     # ------------------------------------------------------------------ credits
     def _loop(self) -> None:
@@ -697,18 +761,25 @@ class LocalServer:
             return False
 
     def _pull(self, name: str, kind: str, rid: int) -> bool:
-        """Download ``kind`` into buffer ``name``; a broken download leaves ``name`` untouched."""
+        """Download ``kind`` into buffer ``name``; a broken download leaves ``name`` untouched.
+
+        Round 0 (outside any round: the newest center or leader) tries again when the server's
+        buffer changed during the download.
+        """
         assert self.store is not None
-        try:
-            # Stage in the sum buffer (free at this point of every round), copy when complete.
-            self.client.pull(kind, self.store.buffer(SUM), rid, wire=self.cfg.wire)
-            if name != SUM:
-                ops.copy_(self.store.buffer(name), self.store.buffer(SUM))
-            return True
-        except (grpc.RpcError, ValueError) as exc:
-            details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            log.warning("round %d: download of %s failed: %s", rid, kind, details)
-            return False
+        for attempt in range(1 if rid else 3):
+            try:
+                # Stage in the sum buffer (free at this point of every round), copy when complete.
+                self.client.pull(kind, self.store.buffer(SUM), rid, wire=self.cfg.wire)
+                if name != SUM:
+                    ops.copy_(self.store.buffer(name), self.store.buffer(SUM))
+                return True
+            except (grpc.RpcError, ValueError) as exc:
+                details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+                if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.ABORTED and attempt < 2:
+                    continue
+                log.warning("round %d: download of %s failed: %s", rid, kind, details)
+        return False
 
     def _final_round(self, rid: int, iteration: int, joins: dict[int, m.Join], best: Candidate | None,
                      local_of: dict[int, int]) -> bool:

@@ -10,16 +10,23 @@ the named buffers hold the rule's shared vectors (only those the rule needs are 
 
 Only the creator (the local server) unlinks the segment, in ``close(unlink=True)``, which its
 shutdown path always reaches; Python's resource tracker unlinks it even if the creator is killed.
+When the whole node is killed at once (SIGKILL to every process, a lost machine), the next start
+of that node removes the segments its earlier run left (``reclaim_stale``).
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+SHM_DIR = Path("/dev/shm")
 
 PAGE = mmap.PAGESIZE
 DTYPE = np.dtype(np.float32)
@@ -63,6 +70,34 @@ class StoreLayout:
             raise ValueError(f"param_count must be >= 1, got {param_count}")
         name = f"lsgd-{job_id}-n{node_index}-{secrets.token_hex(8)}"
         return cls(name, param_count, slots, tuple(buffers))
+
+
+def reclaim_stale(job_id: str, node_index: int) -> list[str]:
+    """Unlink this job's segments of node ``node_index`` that no live process has mapped.
+
+    They are what an earlier run of the same node left when it was killed outright. A segment
+    some process still maps (the same node started twice) is left alone. Returns the names removed.
+    """
+    if not SHM_DIR.is_dir():
+        return []
+    names = {p.name for p in SHM_DIR.glob(f"lsgd-{job_id}-n{node_index}-*")}
+    if not names:
+        return []
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        names = {n for n in names if f"/dev/shm/{n}" not in text}
+        if not names:
+            return []
+    for name in names:
+        try:
+            (SHM_DIR / name).unlink()
+            log.warning("removed shared memory %s left by an earlier run of node %d", name, node_index)
+        except OSError:
+            pass
+    return sorted(names)
 
 
 class NodeStore:

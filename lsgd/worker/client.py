@@ -57,6 +57,7 @@ class WorkerContext:
     parent_pid: int
     beat: Any  # shared double: the local server's loop writes time.time() into it as it runs
     evaluator: bool = False  # the node's evaluator: builds the model, never trains
+    restarts: int = 0  # how many times this worker's process was respawned before this one
 
 
 class EvaluatorDone(BaseException):
@@ -74,6 +75,7 @@ class Worker:
         self.config = ctx.config
         self.local_index = ctx.local_index
         self.is_evaluator = ctx.evaluator
+        self.restarts = ctx.restarts  # > 0: a respawned process, started from a leader/center
         # The evaluator borrows worker 0's id, so code that shards data by id works unchanged.
         self.worker_id = ctx.config.worker_id(0 if ctx.evaluator else ctx.local_index)
         self.num_workers = ctx.config.total_workers
@@ -123,7 +125,10 @@ class Worker:
         if self.is_evaluator:
             self._serve_evaluations()  # until the job ends
             raise EvaluatorDone()
-        self._params.read_into(self._store.slot(self.local_index))
+        if setup.from_slot:  # respawned, or joining a running job: continue from where it is
+            self._params.write_from(self._store.slot(self.local_index))
+        else:
+            self._params.read_into(self._store.slot(self.local_index))
         rule = self.config.make_rule()
         if hasattr(rule, "proximal_pulls"):
             self._proximal = rule.proximal_pulls(self.config.num_groups > 1)
