@@ -51,6 +51,8 @@ mtls="${MTLS:-0}"                   # 1: node 0 accepts only clients with a cert
 allow_insecure="${ALLOW_INSECURE:-0}"  # 1: no secret beyond loopback (trusted network only)
 # --- fault handling ------------------------------------------------------------------------
 respawn="${RESPAWN:-2}"                  # restarts of a dead worker (from the leader/center)
+state_every="${STATE_EVERY:-1}"          # seconds between saves of the global server's state
+reconnect_timeout="${RECONNECT_TIMEOUT:-120}"  # seconds a node trains on without the server
 round_timeout="${ROUND_TIMEOUT:-30}"     # seconds a round waits for a late worker or node
 node_timeout="${NODE_TIMEOUT:-5}"        # seconds of silence before a node is dropped
 join_timeout="${JOIN_TIMEOUT:-60}"       # seconds to wait for every node to join
@@ -70,7 +72,8 @@ exec "$PYTHON" -m lsgd train \
     --entry "$entry" --eval-every "$eval_every" --shard "$shard" \
     --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
     --iterations "$iterations" --minutes "$minutes" --seed "$seed" --run-dir "$run_dir" \
-    --job-id "$job_id" --respawn "$respawn" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
+    --job-id "$job_id" --respawn "$respawn" --state-every "$state_every" \
+    --reconnect-timeout "$reconnect_timeout" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
     --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \
     --secret-file "$secret_file" --tls-ca "$tls_ca" --tls-cert "$tls_cert" --tls-key "$tls_key" \
     --mtls "$mtls" --allow-insecure "$allow_insecure" --log-level "$log_level"

@@ -20,6 +20,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import typing
 from pathlib import Path
 
@@ -78,14 +79,16 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def _start_global(config: JobConfig, level: int, security: Security) -> tuple[mp.process.BaseProcess, object]:
+def _start_global(config: JobConfig, level: int, security: Security,
+                  restore: bool = False) -> tuple[mp.process.BaseProcess, object]:
     """Start the global server process; returns it and the pipe it reports readiness on."""
     from .global_server.server import process_main
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
     # daemon: multiprocessing terminates it if this process exits by any path
-    proc = ctx.Process(target=process_main, args=(config, child, level, security), name="lsgd-global",
+    proc = ctx.Process(target=process_main, args=(config, child, level, security, restore),
+                       name="lsgd-global",
                        daemon=True)
     proc.start()
     child.close()
@@ -123,6 +126,43 @@ def _stop_global(proc: mp.process.BaseProcess, wait: float) -> None:
             proc.join(5)
 
 
+class _Supervisor(threading.Thread):
+    """Node 0 restarts a global server process that dies before the job is over, on the same
+    port, from its saved state (at most ``MAX_RESTARTS`` times); the nodes reattach to it."""
+
+    MAX_RESTARTS = 5
+
+    def __init__(self, config: JobConfig, level: int, security: Security,
+                 proc: mp.process.BaseProcess) -> None:
+        super().__init__(name="lsgd-supervisor", daemon=True)
+        self.config, self.level, self.security, self.proc = config, level, security, proc
+        self.restarts = 0
+        self._stop_event = threading.Event()
+
+    def stop(self) -> mp.process.BaseProcess:
+        self._stop_event.set()
+        self.join(READY_TIMEOUT + 5)
+        return self.proc
+
+    def run(self) -> None:
+        while not self._stop_event.wait(0.2):
+            code = self.proc.exitcode
+            if code is None or code == 0:
+                continue
+            if self.restarts >= self.MAX_RESTARTS:
+                log.error("global server died %d times; not restarting it again", self.restarts + 1)
+                return
+            self.restarts += 1
+            log.warning("global server died (exit code %s); restarting it from its saved state "
+                        "(%d of at most %d)", code, self.restarts, self.MAX_RESTARTS)
+            proc, ready = _start_global(self.config, self.level, self.security, restore=True)
+            self.proc = proc
+            try:
+                _await_global(proc, ready)
+            except RuntimeError as exc:
+                log.error("%s", exc)
+
+
 def train(config: JobConfig, level: int, security: Security) -> int:
     """Run this node (and, on node 0, the global server). Returns the exit code."""
     from .local_server.server import LocalServer
@@ -130,13 +170,15 @@ def train(config: JobConfig, level: int, security: Security) -> int:
     # One BLAS thread per worker process: workers already use every core.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
-    global_proc = None
+    global_proc, supervisor = None, None
     code = 1
     try:
         port = config.port
         if config.node_index == 0:
             global_proc, ready = _start_global(config, level, security)
             port = _await_global(global_proc, ready)
+            supervisor = _Supervisor(config.replace(port=port), level, security, global_proc)
+            supervisor.start()
         server = LocalServer(config, f"{config.ip_addr}:{port}", level, security)
         code = server.run()
         _print_summary(server.summary, code)
@@ -146,6 +188,8 @@ def train(config: JobConfig, level: int, security: Security) -> int:
         log.error("%s", exc)
         code = 1
     finally:
+        if supervisor is not None:
+            global_proc = supervisor.stop()
         if global_proc is not None:
             _stop_global(global_proc, wait=config.node_timeout + 5 if code == 0 else 0)
             if code == 0 and global_proc.exitcode not in (0, None):

@@ -69,6 +69,10 @@ class JobConfig:
     mtls: bool = _f(False, "mutual TLS: node 0 accepts only clients with a certificate from tls_ca")
     allow_insecure: bool = _f(False, "let node 0 listen beyond loopback without a secret (trusted "
                               "networks only)")
+    state_every: float = _f(1.0, "seconds between saves of the global server's state (counter, "
+                            "membership, leader, center) that a restarted server goes on from")
+    reconnect_timeout: float = _f(120.0, "seconds a node trains on while the global server is "
+                                  "unreachable before it gives up")
     respawn: int = _f(2, "times a worker process that dies (killed, crashed) is started again, "
                       "from the leader or the center; 0: the node goes on without it")
     round_timeout: float = _f(30.0, "seconds a round waits for late workers or nodes")
@@ -143,7 +147,8 @@ class JobConfig:
                 raise ConfigError("wire bfloat16 needs the ml_dtypes package: "
                                   "pip install 'lsgd[bf16]'") from None
         self._validate_security(need)
-        for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout"):
+        for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout",
+                     "state_every", "reconnect_timeout"):
             v = getattr(self, name)
             need(v > 0, f"{name} must be > 0 seconds, got {v}")
 

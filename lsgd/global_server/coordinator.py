@@ -80,6 +80,7 @@ class NodeState:
     consumed: int = 0  # total steps this node reported
     last_seq: int = 0  # newest numbered credit request
     last_grant: "Grant | None" = None  # the answer to it (given again to a retry)
+    needs_resume: bool = False  # restored from saved state: must reattach (Join) first
 
 
 @dataclass
@@ -169,6 +170,9 @@ class Coordinator:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"node {index} is not a member of job '{self.job_id}' "
                                    "(never joined, or replaced by a newer session); restart it")
+        if node.needs_resume:
+            raise CoordinatorError("FAILED_PRECONDITION", f"the global server restarted; node "
+                                   f"{index} must reattach before anything else")
         if not node.alive:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"node {index} was dropped after {self.node_timeout:g} s of "
@@ -178,8 +182,13 @@ class Coordinator:
 
     # ------------------------------------------------------------------ membership
     def join(self, *, job_id: str, index: int, workers: int, algorithm: str, num_groups: int,
-             now: float) -> NodeState:
-        """Admit a node (or raise CoordinatorError, changing nothing)."""
+             now: float, resume_session: int = 0, held: int = 0, unreported: int = 0) -> NodeState:
+        """Admit a node (or raise CoordinatorError, changing nothing).
+
+        With ``resume_session`` equal to the node's session (after a server restart or a
+        partition), the node keeps its session: it holds ``held`` credits and took
+        ``unreported`` steps the counter lacks (counted now, as late steps).
+        """
         if job_id != self.job_id:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"job id '{job_id}' does not match the server's '{self.job_id}'")
@@ -193,6 +202,17 @@ class Coordinator:
             raise CoordinatorError("INVALID_ARGUMENT",
                                    f"node index {index} is out of range 0..{self.num_groups - 1}")
         old = self.nodes.get(index)
+        if resume_session and old is not None and old.session == resume_session and not old.left:
+            if held > max(0, self.target - self.done) + self.num_groups * self.workers * 1024:
+                raise CoordinatorError("INVALID_ARGUMENT", f"node {index} claims {held} credits")
+            old.alive, old.last_seen, old.outstanding, old.needs_resume = True, now, held, False
+            old.last_seq, old.last_grant = 0, None
+            old.last_round_seen = self.round.id if self.round else 0
+            old.consumed += unreported
+            self.done += unreported
+            log.info("node %d reattached (holds %d credits, %d steps reported now)", index, held,
+                     unreported)
+            return old
         if old is not None and old.alive and not old.left:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"node {index} is already in the job; each node index runs once")
@@ -389,6 +409,39 @@ class Coordinator:
         return RoundOutcome(ready=True, leader=rnd.leader, leader_node=rnd.leader_node,
                             participants=sum(p for _, p in rnd.reports.values()),
                             nodes=tuple(sorted(rnd.reports)), evaluate=rnd.evaluate)
+
+    # ------------------------------------------------------------------ persistence
+    def state(self, now: float) -> dict:
+        """What a restarted server needs to go on (JSON-able). Rounds in flight are not kept."""
+        return {
+            "job_id": self.job_id, "done": self.done, "rounds_opened": self.rounds_opened,
+            "target": self.target, "target_kind": int(self.target_kind),
+            "period_start": self.period_start, "next_eval": self.next_eval,
+            "stop_reason": self.stop_reason, "started": self.started,
+            "elapsed": now - self.started_at,
+            "nodes": {str(i): {"session": n.session, "workers": n.workers, "consumed": n.consumed,
+                               "left": n.left, "alive": n.alive}
+                      for i, n in self.nodes.items()},
+        }
+
+    def restore(self, state: dict, now: float) -> None:
+        """Go on from ``state()``: every node that was alive gets ``node_timeout`` to reattach."""
+        if state.get("job_id") != self.job_id:
+            raise ValueError(f"saved state is of job '{state.get('job_id')}', not '{self.job_id}'")
+        self.done, self.rounds_opened = int(state["done"]), int(state["rounds_opened"])
+        self.target, self.target_kind = int(state["target"]), RoundKind(state["target_kind"])
+        self.period_start, self.next_eval = int(state["period_start"]), int(state["next_eval"])
+        self.stop_reason, self.started = state["stop_reason"], bool(state["started"])
+        self.started_at = now - float(state["elapsed"])
+        if self.deadline is not None:
+            self.deadline = self.started_at + (self.deadline - now)
+        self.round = None
+        for key, n in state["nodes"].items():
+            self.nodes[int(key)] = NodeState(int(key), int(n["session"]), int(n["workers"]),
+                                             joined_at=now, last_seen=now, consumed=int(n["consumed"]),
+                                             last_round_seen=self.rounds_opened,
+                                             alive=bool(n["alive"]), left=bool(n["left"]),
+                                             needs_resume=True)
 
     def snapshot(self) -> dict:
         """A JSON-able summary of the state (for logs and the run summary)."""

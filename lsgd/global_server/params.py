@@ -67,6 +67,7 @@ class ParamStore:
         # can tell that it read one consistent vector.
         self.versions = {LEADER: 0, CENTER: 0}
         self.leader_complete = False  # the leader buffer holds a whole uploaded leader
+        self._last_saved: int | None = None  # versions at the last save
         self._cond = threading.Condition()
 
     def check_param_count(self, count: int) -> None:
@@ -86,6 +87,47 @@ class ParamStore:
                 self.param_count = count
                 for name in (LEADER, CENTER, SUM):
                     self.buffers[name] = np.zeros(count, dtype=np.float32)
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, path) -> bool:  # noqa: ANN001 - a Path
+        """Write the leader and the center to ``path`` (.npz, no pickle) if they changed since
+        the last save; atomic. Returns True when it wrote."""
+        with self._cond:
+            if self.param_count is None or self._last_saved == self._saved_key():
+                return False
+            if any(v % 2 for v in self.versions.values()):
+                return False  # mid-upload: next time
+            key = self._saved_key()
+            leader, center = self.buffers[LEADER].copy(), self.buffers[CENTER].copy()
+            flags = np.array([self.leader_complete, self.center_ready], dtype=np.bool_)
+        import io
+
+        from ..files import write_atomic
+
+        data = io.BytesIO()
+        np.savez(data, leader=leader, center=center, flags=flags)
+        write_atomic(path, data.getvalue())
+        with self._cond:
+            self._last_saved = key
+        return True
+
+    def _saved_key(self) -> int:
+        return hash((self.versions[LEADER], self.versions[CENTER], self.center_ready,
+                     self.leader_complete))
+
+    def load(self, path) -> None:  # noqa: ANN001 - a Path
+        """Restore the leader and the center saved by ``save``."""
+        with np.load(path, allow_pickle=False) as z:
+            leader, center, flags = z["leader"], z["center"], z["flags"]
+        if leader.dtype != np.float32 or leader.shape != center.shape or leader.ndim != 1:
+            raise ValueError(f"{path}: not a saved leader and center")
+        with self._cond:
+            self.set_param_count(leader.size)
+            self.buffers[LEADER][:] = leader
+            self.buffers[CENTER][:] = center
+            self.leader_complete, self.center_ready = bool(flags[0]), bool(flags[1])
+            self.versions[LEADER] += 2
+            self.versions[CENTER] += 2
 
     # ------------------------------------------------------------------ exchange
     def begin(self, round_id: int, kind: RoundKind, leader_node: int | None,

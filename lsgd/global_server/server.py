@@ -76,7 +76,7 @@ def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64,
 
 
 def serve(config: JobConfig, ready: "object | None" = None, stop_event: threading.Event | None = None,
-          security: Security | None = None) -> int:
+          security: Security | None = None, restore: bool = False) -> int:
     """Run the global server until the job is over. Returns an exit code.
 
     Args:
@@ -84,12 +84,27 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         ready: a connection (multiprocessing Pipe end) that receives ``("ready", port)`` or
             ``("error", message)`` once, when the server is listening or has failed to.
         stop_event: set to stop early (tests); SIGINT/SIGTERM do the same in a process.
+        restore: go on from the state an earlier server process of this job saved in
+            ``RUN_DIR/global`` (counter, membership, leader, center); it is saved every
+            ``state_every`` seconds.
     """
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
     servicer = build_servicer(config)
+    out = Path(config.run_dir) / "global"
+    private_dir(out)
+    state_file, params_file = out / "state.json", out / "params.npz"
+    if restore:
+        try:
+            _restore(servicer, state_file, params_file)
+        except (OSError, ValueError, KeyError) as exc:
+            msg = f"cannot restore the global server's state from {out}: {exc}"
+            if ready is not None:
+                ready.send(("error", msg))
+            log.error("%s", msg)
+            return 1
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
         server, port = create_server(f"{bind}:{config.port}", servicer,
@@ -100,18 +115,21 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
             ready.send(("error", str(exc)))
         log.error("%s", exc)
         return 1
-    out = Path(config.run_dir) / "global"
-    private_dir(out)
     write_atomic(out.parent / "global.port", f"{port}\n")
+    write_atomic(out / "server.pid", f"{os.getpid()}\n")
     log.info("global server listening on %s:%d (job %s)", bind, port, config.job_id)
     if ready is not None:
         ready.send(("ready", port))
     coord = servicer.coord
     t0 = time.monotonic()
     parent = os.getppid()
+    saved_state, next_save = None, t0
     try:
         while not stop.wait(0.1):
             servicer.tick()
+            if time.monotonic() >= next_save:
+                saved_state = _save(servicer, state_file, params_file, saved_state)
+                next_save = time.monotonic() + config.state_every
             with servicer.cond:
                 if coord.all_gone:
                     break
@@ -123,6 +141,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                 break
     finally:
         server.stop(grace=1.0).wait(5.0)
+        _save(servicer, state_file, params_file, saved_state)
         with servicer.cond:
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "calls": dict(servicer.calls.counts),
@@ -133,10 +152,31 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     return 0 if coord.finished else 1
 
 
+def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: dict | None) -> dict:
+    """Save the coordinator's state (if it changed) and the leader/center (if they changed)."""
+    with servicer.cond:
+        state = servicer.coord.state(servicer.clock())
+    comparable = state | {"elapsed": None}
+    if comparable != last:
+        write_atomic(state_file, json.dumps(state))
+    servicer.params.save(params_file)
+    return comparable
+
+
+def _restore(servicer: GlobalServicer, state_file: Path, params_file: Path) -> None:
+    state = json.loads(state_file.read_text())
+    with servicer.cond:
+        servicer.coord.restore(state, servicer.clock())
+    if params_file.exists():
+        servicer.params.load(params_file)
+    log.warning("restored: counter %d, %d rounds, nodes %s; waiting for them to reattach",
+                servicer.coord.done, servicer.coord.rounds_opened, sorted(servicer.coord.nodes))
+
+
 def process_main(config: JobConfig, conn: object, log_level: int,
-                 security: Security | None = None) -> None:
+                 security: Security | None = None, restore: bool = False) -> None:
     """Entry point of the global server process started by node 0 (spawn context)."""
     import sys
 
     logging.basicConfig(level=log_level, format="%(asctime)s global %(levelname)s %(message)s")
-    sys.exit(serve(config, ready=conn, security=security))
+    sys.exit(serve(config, ready=conn, security=security, restore=restore))

@@ -8,6 +8,7 @@ one condition variable that every state change notifies.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import Counter
@@ -57,6 +58,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.coord = coordinator
         self.params = params
+        self.epoch = secrets.randbits(63) | 1  # new in every server process
         self.round_timeout = round_timeout
         self.clock = clock
         lock = threading.RLock()
@@ -124,11 +126,15 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             node = self.coord.join(
                 job_id=request.node.job_id, index=request.node.node_index,
                 workers=request.num_workers, algorithm=request.algorithm,
-                num_groups=request.num_groups, now=self.clock())
+                num_groups=request.num_groups, now=self.clock(),
+                resume_session=request.resume_session, held=request.held_credits,
+                unreported=request.unreported)
             self.params.set_param_count(request.param_count)
             # Every node offers its initial parameters until one upload has succeeded.
+            rnd = self.coord.round
             return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,
-                                   counter=self.coord.done)
+                                   counter=self.coord.done, epoch=self.epoch,
+                                   round_id=rnd.id if rnd else 0)
 
         return self._call(context, join)
 
@@ -136,7 +142,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         def beat() -> pb.HeartbeatResponse:
             self._check(request.node)
             self.coord.heartbeat(request.node.node_index, request.node.session, self.clock())
-            return pb.HeartbeatResponse(counter=self.coord.done)
+            return pb.HeartbeatResponse(counter=self.coord.done, epoch=self.epoch)
 
         return self._call(context, beat)
 
@@ -158,7 +164,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                     if not grant.wait or left <= 0 or not context.is_active():
                         break
                     self.cond.wait(min(left, 0.1))
-                resp = pb.AcquireCreditsResponse(grant=grant.grant, counter=self.coord.done)
+                resp = pb.AcquireCreditsResponse(grant=grant.grant, counter=self.coord.done,
+                                                 epoch=self.epoch)
                 if grant.round is not None:
                     resp.round.id = grant.round.id
                     resp.round.kind = int(grant.round.kind)

@@ -67,6 +67,7 @@ class GlobalClient:
         self.job_id, self.node_index = job_id, node_index
         self.round_timeout = round_timeout
         self.session = 0
+        self.epoch = 0  # the server process's; changes when it restarts
         self._seq = 0  # credit requests numbered per session
         security = security or Security()
         self._md = security.metadata  # the job secret, on every call
@@ -81,17 +82,24 @@ class GlobalClient:
 
     # ------------------------------------------------------------------ control
     def join(self, *, workers: int, param_count: int, algorithm: str, num_groups: int,
-             connect_timeout: float) -> pb.JoinResponse:
-        """Join the job, retrying with backoff while the server is not up yet."""
+             connect_timeout: float, resume: bool = False, held: int = 0,
+             unreported: int = 0) -> pb.JoinResponse:
+        """Join the job, retrying with backoff while the server is not up yet.
+
+        ``resume``: reattach with this client's session, holding ``held`` credits, with
+        ``unreported`` steps not counted yet.
+        """
         req = pb.JoinRequest(node=self._node(), num_workers=workers, param_count=param_count,
-                             algorithm=algorithm, num_groups=num_groups)
+                             algorithm=algorithm, num_groups=num_groups,
+                             resume_session=self.session if resume else 0, held_credits=held,
+                             unreported=unreported)
         end = time.monotonic() + connect_timeout
         delay = 0.1
         while True:
             try:
                 resp = self._stub.Join(req, metadata=self._md,
                                        timeout=min(RPC_TIMEOUT, max(1.0, end - time.monotonic())))
-                self.session, self._seq = resp.session, 0
+                self.session, self._seq, self.epoch = resp.session, 0, resp.epoch
                 return resp
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -274,13 +282,14 @@ def _parse_chunk(msg: bytes) -> tuple[int, int, int]:
 class Heartbeat:
     """Background thread that keeps the node alive on the global server between calls.
 
-    ``fatal`` becomes a message when the server says this node is no longer a member, or has
-    been unreachable for ``give_up`` seconds; the node loop checks it and stops.
+    ``trouble`` becomes a message when the server says this node is no longer a member, or has
+    been unreachable for ``give_up`` seconds; the node loop then trains on without the server
+    and reattaches (clearing ``trouble``). The thread goes on beating with the newest session.
     """
 
     def __init__(self, client: GlobalClient, interval: float, give_up: float) -> None:
         self.client, self.interval, self.give_up = client, interval, give_up
-        self.fatal: str | None = None
+        self.trouble: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lsgd-heartbeat", daemon=True)
 
@@ -299,9 +308,7 @@ class Heartbeat:
                 last_ok = time.monotonic()
             except grpc.RpcError as exc:
                 if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
-                    self.fatal = f"global server refused this node: {exc.details()}"
-                    return
-                if time.monotonic() - last_ok > self.give_up:
-                    self.fatal = (f"global server at {self.client.address} unreachable for "
-                                  f"{self.give_up:g} s ({exc.code().name})")
-                    return
+                    self.trouble = f"global server refused this node: {exc.details()}"
+                elif time.monotonic() - last_ok > self.give_up:
+                    self.trouble = (f"global server at {self.client.address} unreachable for "
+                                    f"{self.give_up:g} s ({exc.code().name})")

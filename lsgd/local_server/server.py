@@ -49,6 +49,11 @@ POLL = 0.05  # seconds between liveness checks while waiting for messages
 START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
 STOP_GRACE = 5.0  # seconds workers get to exit after Stop before they are terminated
 IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is waiting
+# Failures after which the global server may come back (restart, partition, dropped node):
+# the node trains on by itself and reattaches. Any other status ends the node.
+RECOVERABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+               grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+               grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED}
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
 EVAL_NAMES = {GLOBAL_LEADER: "leader", SUM: "average", CENTER: "center"}  # in metrics and summary
 
@@ -131,6 +136,10 @@ class LocalServer:
         self.metrics = MetricsWriter(self.dir / "metrics.csv")
         self.summary: dict = {}
         self.layout_name: str | None = None
+        self.detached_since: float | None = None  # global server out of reach since then
+        self.next_reattach = 0.0
+        self.reattach_delay = 0.2
+        self.param_count = 0
         self.stats_count = 0  # trailing statistics entries, never pulled
         self.average_stats = False  # ... and averaged over each round's participants
         self.eval_leader: dict[int, int | None] = {}  # round -> leader id being evaluated
@@ -267,8 +276,8 @@ class LocalServer:
         if not self._live() and not self.stopping:
             errors = [w.error for w in self.workers if w.error]
             raise NodeError(f"no worker left on this node; first error: {errors[0] if errors else '?'}")
-        if self.heartbeat is not None and self.heartbeat.fatal:
-            raise NodeError(self.heartbeat.fatal)
+        if self.heartbeat is not None and self.heartbeat.trouble and self.detached_since is None:
+            self._detach(self.heartbeat.trouble)
 
     def _recv(self, timeout: float = POLL) -> object | None:
         self.beat.value = time.time()
@@ -370,6 +379,7 @@ class LocalServer:
             raise NodeError(f"workers built models of different sizes {sorted(sizes)} (parameters, "
                             "statistics); every worker must build the same model")
         ((param_count, self.stats_count, self.average_stats),) = sizes
+        self.param_count = param_count
         layout = StoreLayout.new(self.cfg.job_id, self.cfg.node_index, param_count, self.cfg.workers,
                                  self.rule.node_buffers)
         reclaim_stale(self.cfg.job_id, self.cfg.node_index)
@@ -435,6 +445,8 @@ class LocalServer:
             msg = self._recv()
             if msg is not None:
                 self._dispatch(msg)
+            elif self.detached_since is not None:
+                self._reattach()
             elif not self.pending and (self.report.released or self.report.late
                                        or time.monotonic() - self.last_acquire > IDLE_POLL):
                 # Nobody waits here (busy or stuck workers), but the job may be waiting for our
@@ -458,6 +470,14 @@ class LocalServer:
 
     def _serve_pending(self) -> CreditAnswer | None:
         """Give credits to waiting workers; returns a round to run, if the server announced one."""
+        if self.detached_since is not None and not self._reattach():
+            # Train on without the server: credits of the node's own, counted as late steps
+            # when it is back (they are not in any worker's outstanding credits).
+            while self.pending:
+                w = self.workers[self.pending.popleft()]
+                if not w.gone:
+                    self._send(w, m.Credits(max(1, self.share)))
+            return None
         if self.round_due is not None:
             answer, self.round_due = self.round_due, None
             return answer
@@ -493,9 +513,67 @@ class LocalServer:
             return self.client.acquire(consumed=r.consumed, late=r.late, released=r.released,
                                        want=want, last_round_seen=self.last_round_seen,
                                        max_wait=0.0 if busy else 0.5)
-        except grpc.RpcError:
+        except grpc.RpcError as exc:
             self.report = r  # not applied (or unknown): report again next time
+            if exc.code() not in RECOVERABLE:
+                raise
+            self._detach(f"{exc.code().name}: {exc.details()}")
+            return CreditAnswer(0, 0, 0, 0, 0)
+
+    # ------------------------------------------------------------------ reattach
+    def _detach(self, why: str) -> None:
+        """The global server is out of reach: the workers train on; reattach when it is back."""
+        if self.detached_since is None:
+            self.detached_since = time.monotonic()
+            self.next_reattach, self.reattach_delay = 0.0, 0.2
+            log.warning("node %d: lost the global server (%s); training on by itself and "
+                        "reattaching (RECONNECT_TIMEOUT %g s)", self.cfg.node_index, why,
+                        self.cfg.reconnect_timeout)
+
+    def _reattach(self) -> bool:
+        """Try to reattach (rate-limited, with backoff); True once attached again."""
+        now = time.monotonic()
+        if self.detached_since is None:
+            return True
+        if now < self.next_reattach:
+            return False
+        if now - self.detached_since > self.cfg.reconnect_timeout:
+            raise NodeError(f"global server out of reach for {now - self.detached_since:.0f} s "
+                            f"(RECONNECT_TIMEOUT); giving up")
+        held = self.pool + sum(w.outstanding for w in self._live())
+        r = self.report
+        old_session, old_epoch = self.client.session, self.client.epoch
+        try:
+            resp = self.client.join(workers=self.cfg.workers, param_count=self.param_count,
+                                    algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
+                                    connect_timeout=0.5, resume=True, held=held,
+                                    unreported=r.consumed + r.late)
+        except GlobalUnreachable:
+            self.next_reattach = now + self.reattach_delay
+            self.reattach_delay = min(2 * self.reattach_delay, 2.0)
+            return False
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.next_reattach = now + self.reattach_delay
+                return False
             raise
+        if resp.session == old_session:
+            self.report = Report()  # the server counted them and took over the held credits
+        else:  # a new membership: what this node held is void, its steps count as late
+            for w in self.workers:
+                w.outstanding = 0
+            self.pool = 0
+            self.report = Report(late=r.consumed + r.late)
+        self.last_round_seen = resp.round_id
+        self.round_due = None
+        if self.heartbeat is not None:
+            self.heartbeat.trouble = None
+        log.warning("node %d: reattached after %.1f s (%s); counter %d", self.cfg.node_index,
+                    now - self.detached_since,
+                    "the global server had restarted" if resp.epoch != old_epoch else "same server",
+                    resp.counter)
+        self.detached_since = None
+        return True
 
     # ------------------------------------------------------------------ rounds
     def _run_round(self, ans: CreditAnswer) -> bool:
@@ -743,8 +821,8 @@ class LocalServer:
         try:
             answer = self.client.report_round(rid, best, participants)
         except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAVAILABLE):
-                raise
+            if exc.code() in RECOVERABLE - {grpc.StatusCode.DEADLINE_EXCEEDED}:
+                self._detach(f"{exc.code().name}: {exc.details()}")
             log.warning("round %d: report failed (%s); skipping its exchange", rid, exc.details())
             return None
         if answer.missed:

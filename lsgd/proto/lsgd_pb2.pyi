@@ -49,28 +49,38 @@ class NodeId(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_index: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups")
+    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups", "resume_session", "held_credits", "unreported")
     NODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
     ALGORITHM_FIELD_NUMBER: _ClassVar[int]
     NUM_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_SESSION_FIELD_NUMBER: _ClassVar[int]
+    HELD_CREDITS_FIELD_NUMBER: _ClassVar[int]
+    UNREPORTED_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     num_workers: int
     param_count: int
     algorithm: str
     num_groups: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ...) -> None: ...
+    resume_session: int
+    held_credits: int
+    unreported: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ..., resume_session: _Optional[int] = ..., held_credits: _Optional[int] = ..., unreported: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session", "seed_center", "counter")
+    __slots__ = ("session", "seed_center", "counter", "epoch", "round_id")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SEED_CENTER_FIELD_NUMBER: _ClassVar[int]
     COUNTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     session: int
     seed_center: bool
     counter: int
-    def __init__(self, session: _Optional[int] = ..., seed_center: _Optional[bool] = ..., counter: _Optional[int] = ...) -> None: ...
+    epoch: int
+    round_id: int
+    def __init__(self, session: _Optional[int] = ..., seed_center: _Optional[bool] = ..., counter: _Optional[int] = ..., epoch: _Optional[int] = ..., round_id: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node",)
@@ -79,10 +89,12 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("counter",)
+    __slots__ = ("counter", "epoch")
     COUNTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     counter: int
-    def __init__(self, counter: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, counter: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class AcquireCreditsRequest(_message.Message):
     __slots__ = ("node", "consumed", "late_consumed", "released", "want", "last_round_seen", "max_wait_ms", "seq")
@@ -115,14 +127,16 @@ class Round(_message.Message):
     def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., iteration: _Optional[int] = ...) -> None: ...
 
 class AcquireCreditsResponse(_message.Message):
-    __slots__ = ("grant", "round", "counter")
+    __slots__ = ("grant", "round", "counter", "epoch")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COUNTER_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     grant: int
     round: Round
     counter: int
-    def __init__(self, grant: _Optional[int] = ..., round: _Optional[_Union[Round, _Mapping]] = ..., counter: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, grant: _Optional[int] = ..., round: _Optional[_Union[Round, _Mapping]] = ..., counter: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("worker_id", "loss")
