@@ -50,6 +50,8 @@ tls_key="${TLS_KEY:-}"              # its private key
 mtls="${MTLS:-0}"                   # 1: node 0 accepts only clients with a certificate from TLS_CA
 allow_insecure="${ALLOW_INSECURE:-0}"  # 1: no secret beyond loopback (trusted network only)
 # --- fault handling ------------------------------------------------------------------------
+checkpoint_every="${CHECKPOINT_EVERY:-0}"  # checkpoint every N iterations (0: never)
+resume="${RESUME:-0}"                    # 1: go on from the last checkpoint in RUN_DIR
 respawn="${RESPAWN:-2}"                  # restarts of a dead worker (from the leader/center)
 state_every="${STATE_EVERY:-1}"          # seconds between saves of the global server's state
 reconnect_timeout="${RECONNECT_TIMEOUT:-120}"  # seconds a node trains on without the server
@@ -72,7 +74,8 @@ exec "$PYTHON" -m lsgd train \
     --entry "$entry" --eval-every "$eval_every" --shard "$shard" \
     --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
     --iterations "$iterations" --minutes "$minutes" --seed "$seed" --run-dir "$run_dir" \
-    --job-id "$job_id" --respawn "$respawn" --state-every "$state_every" \
+    --job-id "$job_id" --checkpoint-every "$checkpoint_every" --resume "$resume" \
+    --respawn "$respawn" --state-every "$state_every" \
     --reconnect-timeout "$reconnect_timeout" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
     --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \
     --secret-file "$secret_file" --tls-ca "$tls_ca" --tls-cert "$tls_cert" --tls-key "$tls_key" \

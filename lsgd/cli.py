@@ -254,6 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     # Explicit handlers: a node started in the background may inherit SIGINT as ignored.
     signal.signal(signal.SIGTERM, _interrupt)
     signal.signal(signal.SIGINT, _interrupt)
+    if config.resume:
+        wanted = [Path(config.run_dir) / f"node{config.node_index}" / "checkpoint.json"]
+        if config.node_index == 0:
+            wanted.append(Path(config.run_dir) / "global" / "checkpoint.json")
+        missing = [str(p) for p in wanted if not p.exists()]
+        if missing:
+            print(f"lsgd: error: RESUME=1 but {missing[0]} does not exist (no checkpoint in "
+                  f"RUN_DIR {config.run_dir}; set CHECKPOINT_EVERY to make them)", file=sys.stderr)
+            return 2
     if not is_loopback(config.ip_addr):
         if security.secret is None:
             log.warning("no job secret (ALLOW_INSECURE=1): anyone who reaches port %d can join "

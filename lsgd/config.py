@@ -69,6 +69,9 @@ class JobConfig:
     mtls: bool = _f(False, "mutual TLS: node 0 accepts only clients with a certificate from tls_ca")
     allow_insecure: bool = _f(False, "let node 0 listen beyond loopback without a secret (trusted "
                               "networks only)")
+    checkpoint_every: int = _f(0, "checkpoint the whole job at the first global round after "
+                               "every this many iterations (0: never); RESUME=1 goes on from it")
+    resume: bool = _f(False, "start from the job's last checkpoint in RUN_DIR (every node)")
     state_every: float = _f(1.0, "seconds between saves of the global server's state (counter, "
                             "membership, leader, center) that a restarted server goes on from")
     reconnect_timeout: float = _f(120.0, "seconds a node trains on while the global server is "
@@ -136,6 +139,8 @@ class JobConfig:
                  f"entry '{self.entry}' must be package.module:function or path/to/script.py")
         need(self.shard in ("permutation", "disjoint"),
              f"shard '{self.shard}' is unknown; choose permutation or disjoint")
+        need(self.checkpoint_every >= 0,
+             f"checkpoint_every must be >= 0 iterations, got {self.checkpoint_every}")
         need(self.respawn >= 0, f"respawn must be >= 0, got {self.respawn}")
         need(self.eval_every >= 0, f"eval_every must be >= 0 iterations, got {self.eval_every}")
         need(self.wire in ("float32", "bfloat16"),

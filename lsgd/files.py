@@ -8,8 +8,9 @@ renames it over the target, so a reader (or a crash) never sees half a file.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO
+from typing import IO, Iterator
 
 
 def private_dir(path: str | Path) -> Path:
@@ -28,6 +29,35 @@ def open_private(path: str | Path, mode: str = "w", **kwargs) -> IO:
     return os.fdopen(fd, mode, **kwargs)
 
 
+@contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write ``path``'s new content to (mode 0600); on success it is
+    fsynced and renamed over ``path``, on failure removed."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+    try:
+        yield tmp
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def write_atomic(path: str | Path, data: str | bytes) -> None:
     """Replace ``path`` with ``data``: temporary file, fsync, rename, fsync of the directory."""
     path = Path(path)
@@ -37,8 +67,4 @@ def write_atomic(path: str | Path, data: str | bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    _fsync_dir(path.parent)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -129,3 +130,49 @@ def test_a_killed_global_server_is_restarted_from_its_state_and_nodes_reattach(c
     ev = n0.summary()["evaluation"]
     assert all(v["accuracy"] > 0.9 for v in ev.values()), ev  # leader/center kept, not reset
     assert_clean_exit(cluster.run_dir, [n0, n1])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+def test_a_stopped_job_resumes_from_its_checkpoint(cluster, algorithm):
+    import signal
+    import time
+
+    knobs = dict(NUM_GROUPS=2, ITERATIONS=16000, CHECKPOINT_EVERY=4000, ALGORITHM=algorithm,
+                 TOYJOB_STEP_SECONDS="0.001", **TOY)
+    n0 = cluster(0, PORT=0, **knobs)
+    port = cluster.port_of_node0()
+    n1 = cluster(1, PORT=port, **knobs)
+    run = cluster.run_dir
+    end = time.monotonic() + 90
+    while time.monotonic() < end and not all(
+            (run / p / "checkpoint.json").exists() for p in ("node0", "node1", "global")):
+        time.sleep(0.05)
+    time.sleep(0.5)
+    for node in (n0, n1):
+        node.proc.send_signal(signal.SIGTERM)  # the job stops (a maintenance window, a crash)
+    assert n0.wait(30) == 130 and n1.wait(30) == 130
+    ckpt = json.loads((run / "global" / "checkpoint.json").read_text())
+    stopped_rows = metric_rows(run / "node1" / "metrics.csv")
+    assert ckpt["done"] < 16000 and max(int(r["round"]) for r in stopped_rows) > ckpt["round"]
+
+    r0 = cluster(0, PORT=port, RESUME=1, **knobs)
+    r1 = cluster(1, PORT=port, RESUME=1, **knobs)
+    assert r0.wait(120) == 0, r0.output
+    assert r1.wait(30) == 0, r1.output
+    assert f"resumes from its checkpoint of round {ckpt['round']}" in r1.output
+    assert global_summary(run)["counter"] == 16000
+    rows = [r for r in metric_rows(run / "node1" / "metrics.csv") if r["kind"] != "eval"]
+    rounds = [int(r["round"]) for r in rows]
+    assert rounds == sorted(rounds) and rounds[0] == int(stopped_rows[0]["round"])  # one curve
+    iters = [int(r["iteration"]) for r in rows]
+    assert iters == sorted(iters) and ckpt["done"] < iters[-1] <= 16000
+    after = [r for r in rows if int(r["round"]) > ckpt["round"]]
+    assert after and all(float(r["loss"]) < 1.0 for r in after[:4] if r["loss"])  # not from init
+    assert sum(r1.summary()["workers"].values()) > int(ckpt["done"]) // 4  # counts continued
+
+
+def test_resume_without_a_checkpoint_is_a_clear_error(cluster):
+    node = cluster(0, PORT=0, RESUME=1, **TOY)
+    assert node.wait(30) == 2
+    assert "RESUME=1 but" in node.output and "CHECKPOINT_EVERY" in node.output

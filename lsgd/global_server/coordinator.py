@@ -95,6 +95,7 @@ class RoundState:
     leader: Candidate | None = None
     leader_node: int | None = None
     evaluate: bool = False  # nodes upload their sums so that node 0 can evaluate the average
+    checkpoint: bool = False  # every node (and the server) saves a checkpoint at this round
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,7 @@ class RoundOutcome:
     participants: int = 0
     nodes: tuple[int, ...] = ()
     evaluate: bool = False
+    checkpoint: bool = False
 
 
 class Coordinator:
@@ -125,7 +127,8 @@ class Coordinator:
     def __init__(self, *, job_id: str, algorithm: str, num_groups: int, workers: int,
                  schedule: Schedule, max_seconds: float | None, node_timeout: float,
                  round_timeout: float, join_timeout: float, now: float,
-                 eval_every: int = 0, rng: random.Random | None = None) -> None:
+                 eval_every: int = 0, checkpoint_every: int = 0,
+                 rng: random.Random | None = None) -> None:
         self.job_id, self.algorithm = job_id, algorithm
         self.num_groups, self.workers = num_groups, workers
         self.schedule = schedule
@@ -144,6 +147,8 @@ class Coordinator:
         self.rounds_opened = 0
         self.eval_every = eval_every
         self.next_eval = eval_every  # counter value from which the next global round evaluates
+        self.checkpoint_every = checkpoint_every
+        self.next_checkpoint = checkpoint_every
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -343,6 +348,10 @@ class Coordinator:
         if self.eval_every and self.target_kind == RoundKind.GLOBAL and self.target >= self.next_eval:
             self.round.evaluate = True
             self.next_eval = (self.target // self.eval_every + 1) * self.eval_every
+        if (self.checkpoint_every and self.target_kind == RoundKind.GLOBAL
+                and self.target >= self.next_checkpoint):
+            self.round.checkpoint = True
+            self.next_checkpoint = (self.target // self.checkpoint_every + 1) * self.checkpoint_every
         log.debug("round %d (%s) at %d", self.round.id, self.round.kind.name, self.target)
         if self.target_kind != RoundKind.FINAL:
             self.period_start = self.target
@@ -408,7 +417,8 @@ class Coordinator:
             return RoundOutcome(ready=False)
         return RoundOutcome(ready=True, leader=rnd.leader, leader_node=rnd.leader_node,
                             participants=sum(p for _, p in rnd.reports.values()),
-                            nodes=tuple(sorted(rnd.reports)), evaluate=rnd.evaluate)
+                            nodes=tuple(sorted(rnd.reports)), evaluate=rnd.evaluate,
+                            checkpoint=rnd.checkpoint)
 
     # ------------------------------------------------------------------ persistence
     def state(self, now: float) -> dict:
@@ -417,6 +427,7 @@ class Coordinator:
             "job_id": self.job_id, "done": self.done, "rounds_opened": self.rounds_opened,
             "target": self.target, "target_kind": int(self.target_kind),
             "period_start": self.period_start, "next_eval": self.next_eval,
+            "next_checkpoint": self.next_checkpoint,
             "stop_reason": self.stop_reason, "started": self.started,
             "elapsed": now - self.started_at,
             "nodes": {str(i): {"session": n.session, "workers": n.workers, "consumed": n.consumed,
@@ -424,18 +435,26 @@ class Coordinator:
                       for i, n in self.nodes.items()},
         }
 
-    def restore(self, state: dict, now: float) -> None:
-        """Go on from ``state()``: every node that was alive gets ``node_timeout`` to reattach."""
+    def restore(self, state: dict, now: float, membership: bool = True) -> None:
+        """Go on from ``state()``: every node that was alive gets ``node_timeout`` to reattach.
+
+        ``membership=False`` (resuming a stopped job from a checkpoint): counter and rounds go
+        on, and the nodes join afresh.
+        """
         if state.get("job_id") != self.job_id:
             raise ValueError(f"saved state is of job '{state.get('job_id')}', not '{self.job_id}'")
         self.done, self.rounds_opened = int(state["done"]), int(state["rounds_opened"])
         self.target, self.target_kind = int(state["target"]), RoundKind(state["target_kind"])
         self.period_start, self.next_eval = int(state["period_start"]), int(state["next_eval"])
+        self.next_checkpoint = int(state.get("next_checkpoint", self.next_checkpoint))
         self.stop_reason, self.started = state["stop_reason"], bool(state["started"])
         self.started_at = now - float(state["elapsed"])
         if self.deadline is not None:
             self.deadline = self.started_at + (self.deadline - now)
         self.round = None
+        if not membership:
+            self.started = False  # it starts again once the nodes have joined
+            return
         for key, n in state["nodes"].items():
             self.nodes[int(key)] = NodeState(int(key), int(n["session"]), int(n["workers"]),
                                              joined_at=now, last_seen=now, consumed=int(n["consumed"]),

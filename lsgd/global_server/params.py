@@ -89,11 +89,11 @@ class ParamStore:
                     self.buffers[name] = np.zeros(count, dtype=np.float32)
 
     # ------------------------------------------------------------------ persistence
-    def save(self, path) -> bool:  # noqa: ANN001 - a Path
+    def save(self, path, force: bool = False) -> bool:  # noqa: ANN001 - a Path
         """Write the leader and the center to ``path`` (.npz, no pickle) if they changed since
-        the last save; atomic. Returns True when it wrote."""
+        the last save (or ``force``); atomic. Returns True when it wrote."""
         with self._cond:
-            if self.param_count is None or self._last_saved == self._saved_key():
+            if self.param_count is None or (self._last_saved == self._saved_key() and not force):
                 return False
             if any(v % 2 for v in self.versions.values()):
                 return False  # mid-upload: next time

@@ -47,7 +47,8 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
                         num_groups=config.num_groups, workers=config.workers, schedule=schedule,
                         max_seconds=config.minutes * 60 if config.minutes else None,
                         node_timeout=config.node_timeout, round_timeout=config.round_timeout,
-                        join_timeout=config.join_timeout, now=now, eval_every=config.eval_every)
+                        join_timeout=config.join_timeout, now=now, eval_every=config.eval_every,
+                        checkpoint_every=config.checkpoint_every)
     return GlobalServicer(coord, ParamStore(rule), config.round_timeout)
 
 
@@ -76,7 +77,7 @@ def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64,
 
 
 def serve(config: JobConfig, ready: "object | None" = None, stop_event: threading.Event | None = None,
-          security: Security | None = None, restore: bool = False) -> int:
+          security: Security | None = None, restore: bool = False, resume: bool = False) -> int:
     """Run the global server until the job is over. Returns an exit code.
 
     Args:
@@ -87,6 +88,8 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         restore: go on from the state an earlier server process of this job saved in
             ``RUN_DIR/global`` (counter, membership, leader, center); it is saved every
             ``state_every`` seconds.
+        resume: start a stopped job again from its last checkpoint (``RESUME=1``): counter,
+            rounds, leader and center as they were at the checkpoint round; nodes join afresh.
     """
     stop = stop_event or threading.Event()
     if threading.current_thread() is threading.main_thread():
@@ -96,9 +99,13 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     out = Path(config.run_dir) / "global"
     private_dir(out)
     state_file, params_file = out / "state.json", out / "params.npz"
-    if restore:
+    ckpt_file, ckpt_params = out / "checkpoint.json", out / "checkpoint.npz"
+    if restore or resume:
         try:
-            _restore(servicer, state_file, params_file)
+            if resume:
+                _restore(servicer, ckpt_file, ckpt_params, membership=False)
+            else:
+                _restore(servicer, state_file, params_file)
         except (OSError, ValueError, KeyError) as exc:
             msg = f"cannot restore the global server's state from {out}: {exc}"
             if ready is not None:
@@ -127,6 +134,8 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     try:
         while not stop.wait(0.1):
             servicer.tick()
+            if servicer.checkpoint_due is not None:
+                _checkpoint(servicer, ckpt_file, ckpt_params)
             if time.monotonic() >= next_save:
                 saved_state = _save(servicer, state_file, params_file, saved_state)
                 next_save = time.monotonic() + config.state_every
@@ -163,10 +172,20 @@ def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: d
     return comparable
 
 
-def _restore(servicer: GlobalServicer, state_file: Path, params_file: Path) -> None:
+def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path) -> None:
+    """The server's part of a checkpoint: its state at the checkpoint round, leader, center."""
+    with servicer.cond:
+        (rid, state), servicer.checkpoint_due = servicer.checkpoint_due, None
+    servicer.params.save(params_file, force=True)
+    write_atomic(state_file, json.dumps(state | {"round": rid}))
+    log.info("checkpoint at round %d (counter %d)", rid, state["done"])
+
+
+def _restore(servicer: GlobalServicer, state_file: Path, params_file: Path,
+             membership: bool = True) -> None:
     state = json.loads(state_file.read_text())
     with servicer.cond:
-        servicer.coord.restore(state, servicer.clock())
+        servicer.coord.restore(state, servicer.clock(), membership=membership)
     if params_file.exists():
         servicer.params.load(params_file)
     log.warning("restored: counter %d, %d rounds, nodes %s; waiting for them to reattach",
@@ -179,4 +198,6 @@ def process_main(config: JobConfig, conn: object, log_level: int,
     import sys
 
     logging.basicConfig(level=log_level, format="%(asctime)s global %(levelname)s %(message)s")
-    sys.exit(serve(config, ready=conn, security=security, restore=restore))
+    # a restart during a resumed job goes on from the newest state, not the checkpoint again
+    sys.exit(serve(config, ready=conn, security=security, restore=restore,
+                   resume=config.resume and not restore))

@@ -59,6 +59,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.coord = coordinator
         self.params = params
         self.epoch = secrets.randbits(63) | 1  # new in every server process
+        self.checkpoint_due: tuple[int, dict] | None = None  # (round, state) to save
         self.round_timeout = round_timeout
         self.clock = clock
         lock = threading.RLock()
@@ -82,6 +83,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self._exchanged = rnd.id
         self.closed.notify_all()
         self.cond.notify_all()
+        if rnd.checkpoint:
+            self.checkpoint_due = (rnd.id, self.coord.state(self.clock()))
         self.params.begin(rnd.id, rnd.kind, rnd.leader_node,
                           {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout,
                           average=rnd.evaluate)
@@ -196,7 +199,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         if not out.ready:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.round_id} did not close")
         resp = pb.ReportRoundResponse(missed=out.missed, participants=out.participants,
-                                      nodes=list(out.nodes), evaluate=out.evaluate)
+                                      nodes=list(out.nodes), evaluate=out.evaluate,
+                                      checkpoint=out.checkpoint)
         if out.leader is not None:
             resp.has_leader = True
             resp.leader.worker_id = out.leader.worker_id

@@ -56,6 +56,7 @@ class RoundAnswer:
     participants: int
     nodes: tuple[int, ...]
     evaluate: bool = False
+    checkpoint: bool = False
 
 
 class GlobalClient:
@@ -136,7 +137,7 @@ class GlobalClient:
         resp = self._stub.ReportRound(req, timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
         return RoundAnswer(resp.missed, leader, resp.leader_node if resp.has_leader else None,
-                           resp.participants, tuple(resp.nodes), resp.evaluate)
+                           resp.participants, tuple(resp.nodes), resp.evaluate, resp.checkpoint)
 
     def leave(self, consumed: int, late: int) -> int:
         return self._stub.Leave(pb.LeaveRequest(node=self._node(), consumed=consumed,

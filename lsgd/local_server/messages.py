@@ -110,6 +110,7 @@ class Failed:
 class Setup:
     layout: StoreLayout
     from_slot: bool = False  # start from the parameters already in your slot (a leader/center)
+    iterations: int = 0  # steps this worker took before (resuming from a checkpoint)
 
 
 @dataclass(frozen=True)

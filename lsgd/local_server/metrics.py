@@ -23,9 +23,23 @@ class MetricsWriter:
 
     def __init__(self, path: Path) -> None:
         private_dir(path.parent)
+        self.path = path
         self._file = open_private(path, "w", newline="")
         self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
         self._csv.writeheader()
+        self._file.flush()
+
+    def resume(self, previous: list[dict], last_round: int) -> None:
+        """Continue the rows of an earlier run up to ``last_round`` (a checkpoint's round)."""
+        self.rows([r for r in previous if r.get("round", "").isdigit() and int(r["round"]) <= last_round])
+
+    @staticmethod
+    def read(path: Path) -> list[dict]:
+        """The rows of an existing metrics file (empty if there is none)."""
+        if not path.exists():
+            return []
+        with path.open(newline="") as f:
+            return list(csv.DictReader(f))
 
     def rows(self, rows: list[dict]) -> None:
         for row in rows:

@@ -38,6 +38,7 @@ from ..security import Security
 from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind, RoundRoles
 from ..worker.client import WorkerContext
 from ..worker.process import worker_main
+from . import checkpoint
 from . import messages as m
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
 from .metrics import MetricsWriter
@@ -133,6 +134,7 @@ class LocalServer:
         self.t0 = time.monotonic()
         self.dir = Path(config.run_dir) / f"node{config.node_index}"
         private_dir(self.dir)
+        self.previous_rows = MetricsWriter.read(self.dir / "metrics.csv") if config.resume else []
         self.metrics = MetricsWriter(self.dir / "metrics.csv")
         self.summary: dict = {}
         self.layout_name: str | None = None
@@ -391,11 +393,14 @@ class LocalServer:
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
                                    give_up=max(2 * self.cfg.node_timeout, 10.0))
         self.heartbeat.start()
-        start = self._rejoin_point() if resp.counter > 0 else None
+        self.last_round_seen = resp.round_id
+        resumed = self._resume() if self.cfg.resume else None
+        start = self._rejoin_point() if resp.counter > 0 and resumed is None else None
         for w in self._live():
             if start is not None:
                 ops.copy_(self.store.slot(w.local), self.store.buffer(start))
-            self._send(w, m.Setup(layout, from_slot=start is not None))
+            self._send(w, m.Setup(layout, from_slot=start is not None or resumed is not None,
+                                  iterations=w.iterations))
         if self.evaluator is not None and self.evaluator.hello is not None:
             self._from_evaluator(self.evaluator.hello)
         ready: set[int] = set()
@@ -408,7 +413,7 @@ class LocalServer:
             elif msg is not None:
                 self._dispatch(msg)
         first = self.store.slot(min(ready))
-        for name in layout.buffers:  # every shared vector starts at the initial parameters
+        for name in layout.buffers if resumed is None else ():  # all start at the initial model
             ops.copy_(self.store.buffer(name), first)
         if self.rule.exchange == Exchange.CENTER:
             if resp.seed_center:
@@ -421,6 +426,20 @@ class LocalServer:
                 raise NodeError("could not download the initial EASGD center")
         log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,
                  self.cfg.job_id, len(ready), param_count)
+
+    def _resume(self) -> dict:
+        """RESUME=1: slots, node buffers, step counts and metrics rows of the last checkpoint."""
+        assert self.store is not None
+        try:
+            meta = checkpoint.load(self.dir, self.store)
+        except checkpoint.CheckpointError as exc:
+            raise NodeError(str(exc)) from None
+        for w in self.workers:
+            w.iterations = int(meta["worker_iterations"].get(str(w.worker_id), 0))
+        self.metrics.resume(self.previous_rows, meta["round"])
+        log.info("node %d resumes from its checkpoint of round %d (iteration %d)",
+                 self.cfg.node_index, meta["round"], meta["iteration"])
+        return meta
 
     def _rejoin_point(self) -> str | None:
         """Joining a running job (a restarted node): download the center or the newest leader
@@ -633,6 +652,9 @@ class LocalServer:
                 fresh_center = self._pull(CENTER, CENTER, rid)
             else:  # a late worker may still read the old center: keep it one more round
                 log.warning("round %d: keeping the old center until late workers finish", rid)
+        if answer and answer.checkpoint and not answer.missed:
+            checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
+                            {w.worker_id: w.iterations for w in self.workers})
         if evaluate and self.cfg.node_index == 0:
             if answer.leader and not have_leader:  # EASGD: the leader came from another node
                 have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)

@@ -125,7 +125,8 @@ class Worker:
         if self.is_evaluator:
             self._serve_evaluations()  # until the job ends
             raise EvaluatorDone()
-        if setup.from_slot:  # respawned, or joining a running job: continue from where it is
+        self.iterations = setup.iterations  # > 0 when the job resumed from a checkpoint
+        if setup.from_slot:  # respawned, resumed, or joining a running job: continue from there
             self._params.write_from(self._store.slot(self.local_index))
         else:
             self._params.read_into(self._store.slot(self.local_index))
