@@ -127,8 +127,8 @@ def _stop_global(proc: mp.process.BaseProcess, wait: float) -> None:
 
 
 class _Supervisor(threading.Thread):
-    """Node 0 restarts a global server process that dies before the job is over, on the same
-    port, from its saved state (at most ``MAX_RESTARTS`` times); the nodes reattach to it."""
+    """Node 0 restarts a global server process killed by a signal (SIGKILL, a crash) on the
+    same port, from its saved state (at most ``MAX_RESTARTS`` times); the nodes reattach."""
 
     MAX_RESTARTS = 5
 
@@ -147,7 +147,7 @@ class _Supervisor(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.wait(0.2):
             code = self.proc.exitcode
-            if code is None or code == 0:
+            if code is None or code >= 0:  # running, or stopped on its own (end, Ctrl-C)
                 continue
             if self.restarts >= self.MAX_RESTARTS:
                 log.error("global server died %d times; not restarting it again", self.restarts + 1)

@@ -152,6 +152,11 @@ def make_certs(out: str | Path, hosts: Sequence[str], days: int = 365) -> list[P
         raise SecurityError("give the nodes' addresses, node 0 first (--hosts 10.0.0.1,10.0.0.2)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(out, 0o700)
+    taken = [p.name for p in out.iterdir()]
+    if taken:
+        raise SecurityError(f"{out} is not empty ({', '.join(sorted(taken)[:3])} ...); give "
+                            "lsgd certs a new directory")
     now = datetime.datetime.now(datetime.timezone.utc)
     start, end = now - datetime.timedelta(minutes=5), now + datetime.timedelta(days=days)
 
@@ -166,7 +171,8 @@ def make_certs(out: str | Path, hosts: Sequence[str], days: int = 365) -> list[P
 
     def write(filename: str, data: bytes) -> None:
         path = out / filename
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        # O_EXCL | O_NOFOLLOW: never write a key into a file or link someone else made first
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.chmod(path, 0o600)

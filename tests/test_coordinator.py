@@ -275,3 +275,41 @@ def test_replayed_round_reports_change_nothing():
     assert rnd2.id > rnd.id
     late = c.report(0, s[0], rnd.id, Candidate(0, 0.0), 2, now=2)  # an old round's report
     assert late.missed and c.round.id == rnd2.id and not c.round.reports
+
+
+def test_reattaching_counts_each_step_once():
+    c = make()
+    s = join_all(c, 2)
+
+    def ask(consumed, seq):
+        return c.acquire(0, s[0], consumed=consumed, late=0, released=0, want=100,
+                         last_round_seen=0, now=0, seq=seq).grant
+
+    g = ask(0, 1)
+    ask(2, 2)  # arrived: counted; its answer is lost, so the node keeps the 2 steps "in doubt"
+    assert c.done == 2
+
+    def reattach(seq, unanswered_seq):
+        return c.join(job_id="j", index=0, workers=2, algorithm="lsgd", num_groups=2, now=1,
+                      resume_session=s[0], held=g - 2, unreported=1, seq=seq,
+                      unanswered_seq=unanswered_seq, unanswered_steps=2)
+
+    reattach(3, 2)
+    assert c.done == 3  # the 1 unreported step; the 2 of request 2 were already counted
+    reattach(3, 2)  # the same join again (its answer was lost): nothing twice
+    assert c.done == 3 and c.nodes[0].outstanding == g - 2
+    s2 = c.nodes[0].session
+    g3 = c.acquire(0, s2, consumed=0, late=0, released=0, want=100, last_round_seen=0, now=1,
+                   seq=4)
+    assert g3.grant >= 0 and c.done == 3
+
+
+def test_a_reattaching_node_takes_part_in_the_round_that_waits_for_it():
+    c = make(l_comm=4, g_comm=4)
+    s = join_all(c, 2)
+    rnd, _ = drain(c, s, [0, 1])  # a global round, expecting both nodes
+    node = c.join(job_id="j", index=1, workers=2, algorithm="lsgd", num_groups=2, now=0,
+                  resume_session=s[1], seq=50)
+    assert node.last_round_seen == rnd.id - 1  # it will be told of this round, not skip it
+    assert c.acquire(1, s[1], consumed=0, late=0, released=0, want=1, last_round_seen=rnd.id - 1,
+                     now=0, seq=51).round.id == rnd.id

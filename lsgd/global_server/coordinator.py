@@ -187,12 +187,15 @@ class Coordinator:
 
     # ------------------------------------------------------------------ membership
     def join(self, *, job_id: str, index: int, workers: int, algorithm: str, num_groups: int,
-             now: float, resume_session: int = 0, held: int = 0, unreported: int = 0) -> NodeState:
+             now: float, resume_session: int = 0, held: int = 0, unreported: int = 0,
+             seq: int = 0, unanswered_seq: int = 0, unanswered_steps: int = 0) -> NodeState:
         """Admit a node (or raise CoordinatorError, changing nothing).
 
         With ``resume_session`` equal to the node's session (after a server restart or a
         partition), the node keeps its session: it holds ``held`` credits and took
-        ``unreported`` steps the counter lacks (counted now, as late steps).
+        ``unreported`` steps the counter lacks (counted now, as late steps), plus the steps of
+        its credit request ``unanswered_seq`` if that request never arrived. ``seq`` numbers
+        the join like a credit request, so a repeated join counts nothing twice.
         """
         if job_id != self.job_id:
             raise CoordinatorError("FAILED_PRECONDITION",
@@ -210,9 +213,13 @@ class Coordinator:
         if resume_session and old is not None and old.session == resume_session and not old.left:
             if held > max(0, self.target - self.done) + self.num_groups * self.workers * 1024:
                 raise CoordinatorError("INVALID_ARGUMENT", f"node {index} claims {held} credits")
+            if seq and seq <= old.last_seq:  # a repeated join: already applied
+                return old
+            if unanswered_seq > old.last_seq:  # that credit request never arrived
+                unreported += unanswered_steps
             old.alive, old.last_seen, old.outstanding, old.needs_resume = True, now, held, False
-            old.last_seq, old.last_grant = 0, None
-            old.last_round_seen = self.round.id if self.round else 0
+            old.last_seq, old.last_grant = seq, None
+            old.last_round_seen = self._round_seen_on_join(index)
             old.consumed += unreported
             self.done += unreported
             log.info("node %d reattached (holds %d credits, %d steps reported now)", index, held,
@@ -225,12 +232,22 @@ class Coordinator:
             raise CoordinatorError("FAILED_PRECONDITION", "the job is finishing; no node can join")
         session = self.rng.getrandbits(63) | 1
         node = NodeState(index, session, workers, joined_at=now, last_seen=now,
-                         last_round_seen=self.round.id if self.round else 0)
+                         last_round_seen=self._round_seen_on_join(index))
         self.nodes[index] = node
         if len(self.live_nodes) == self.num_groups:
             self.started = True
         log.info("node %d joined (%d/%d live)", index, len(self.live_nodes), self.num_groups)
         return node
+
+    def _round_seen_on_join(self, index: int) -> int:
+        """A joining node takes part from the next round, or from the open one if that round
+        waits for it (a reattaching node must not skip a round, above all the final one)."""
+        rnd = self.round
+        if rnd is None:
+            return 0
+        if not rnd.closed and index in rnd.expected and index not in rnd.reports:
+            return rnd.id - 1
+        return rnd.id
 
     def heartbeat(self, index: int, session: int, now: float) -> None:
         self._node(index, session, now)
@@ -431,7 +448,7 @@ class Coordinator:
             "stop_reason": self.stop_reason, "started": self.started,
             "elapsed": now - self.started_at,
             "nodes": {str(i): {"session": n.session, "workers": n.workers, "consumed": n.consumed,
-                               "left": n.left, "alive": n.alive}
+                               "left": n.left, "alive": n.alive, "last_seq": n.last_seq}
                       for i, n in self.nodes.items()},
         }
 
@@ -460,7 +477,7 @@ class Coordinator:
                                              joined_at=now, last_seen=now, consumed=int(n["consumed"]),
                                              last_round_seen=self.rounds_opened,
                                              alive=bool(n["alive"]), left=bool(n["left"]),
-                                             needs_resume=True)
+                                             last_seq=int(n.get("last_seq", 0)), needs_resume=True)
 
     def snapshot(self) -> dict:
         """A JSON-able summary of the state (for logs and the run summary)."""

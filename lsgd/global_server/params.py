@@ -119,7 +119,8 @@ class ParamStore:
         """Restore the leader and the center saved by ``save``."""
         with np.load(path, allow_pickle=False) as z:
             leader, center, flags = z["leader"], z["center"], z["flags"]
-        if leader.dtype != np.float32 or leader.shape != center.shape or leader.ndim != 1:
+        if (leader.dtype != np.float32 or leader.shape != center.shape or leader.ndim != 1
+                or flags.shape != (2,)):
             raise ValueError(f"{path}: not a saved leader and center")
         with self._cond:
             self.set_param_count(leader.size)

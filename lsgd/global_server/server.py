@@ -106,7 +106,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                 _restore(servicer, ckpt_file, ckpt_params, membership=False)
             else:
                 _restore(servicer, state_file, params_file)
-        except (OSError, ValueError, KeyError) as exc:
+        except (OSError, ValueError, KeyError, IndexError) as exc:
             msg = f"cannot restore the global server's state from {out}: {exc}"
             if ready is not None:
                 ready.send(("error", msg))
@@ -135,7 +135,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         while not stop.wait(0.1):
             servicer.tick()
             if servicer.checkpoint_due is not None:
-                _checkpoint(servicer, ckpt_file, ckpt_params)
+                _checkpoint(servicer, ckpt_file, ckpt_params, config.round_timeout)
             if time.monotonic() >= next_save:
                 saved_state = _save(servicer, state_file, params_file, saved_state)
                 next_save = time.monotonic() + config.state_every
@@ -172,12 +172,23 @@ def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: d
     return comparable
 
 
-def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path) -> None:
-    """The server's part of a checkpoint: its state at the checkpoint round, leader, center."""
+def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path,
+                round_timeout: float) -> None:
+    """The server's part of a checkpoint: its state at the checkpoint round, and the leader and
+    center once that round's exchange has settled (the nodes save theirs after it too). Called
+    by the server loop until it is done (or the round is long past)."""
     with servicer.cond:
-        (rid, state), servicer.checkpoint_due = servicer.checkpoint_due, None
-    servicer.params.save(params_file, force=True)
+        rid, state = servicer.checkpoint_due
+        ex = servicer.params.exchange
+        settled = ex is not None and (ex.round_id > rid or (ex.round_id == rid and ex.settled))
+        late = servicer.clock() - servicer.checkpoint_since > round_timeout + 5
+    if not settled and not late:
+        return  # next pass of the loop
+    if not servicer.params.save(params_file, force=True) and not late:
+        return  # an upload is in flight
     write_atomic(state_file, json.dumps(state | {"round": rid}))
+    with servicer.cond:
+        servicer.checkpoint_due = None
     log.info("checkpoint at round %d (counter %d)", rid, state["done"])
 
 

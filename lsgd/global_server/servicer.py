@@ -60,6 +60,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.params = params
         self.epoch = secrets.randbits(63) | 1  # new in every server process
         self.checkpoint_due: tuple[int, dict] | None = None  # (round, state) to save
+        self.checkpoint_since = 0.0
         self.round_timeout = round_timeout
         self.clock = clock
         lock = threading.RLock()
@@ -85,6 +86,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.cond.notify_all()
         if rnd.checkpoint:
             self.checkpoint_due = (rnd.id, self.coord.state(self.clock()))
+            self.checkpoint_since = self.clock()
         self.params.begin(rnd.id, rnd.kind, rnd.leader_node,
                           {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout,
                           average=rnd.evaluate)
@@ -131,13 +133,13 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 workers=request.num_workers, algorithm=request.algorithm,
                 num_groups=request.num_groups, now=self.clock(),
                 resume_session=request.resume_session, held=request.held_credits,
-                unreported=request.unreported)
+                unreported=request.unreported, seq=request.seq,
+                unanswered_seq=request.unanswered_seq, unanswered_steps=request.unanswered_steps)
             self.params.set_param_count(request.param_count)
             # Every node offers its initial parameters until one upload has succeeded.
-            rnd = self.coord.round
             return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,
                                    counter=self.coord.done, epoch=self.epoch,
-                                   round_id=rnd.id if rnd else 0)
+                                   round_id=node.last_round_seen)
 
         return self._call(context, join)
 

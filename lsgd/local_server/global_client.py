@@ -69,7 +69,8 @@ class GlobalClient:
         self.round_timeout = round_timeout
         self.session = 0
         self.epoch = 0  # the server process's; changes when it restarts
-        self._seq = 0  # credit requests numbered per session
+        self._seq = 0  # credit requests (and reattaching joins) numbered per session
+        self._join_seq = 0  # the number of a reattach not answered yet
         security = security or Security()
         self._md = security.metadata  # the job secret, on every call
         self._channel = security.channel(address, CHANNEL_OPTIONS)
@@ -84,23 +85,30 @@ class GlobalClient:
     # ------------------------------------------------------------------ control
     def join(self, *, workers: int, param_count: int, algorithm: str, num_groups: int,
              connect_timeout: float, resume: bool = False, held: int = 0,
-             unreported: int = 0) -> pb.JoinResponse:
+             unreported: int = 0, unanswered: tuple[int, int] = (0, 0)) -> pb.JoinResponse:
         """Join the job, retrying with backoff while the server is not up yet.
 
         ``resume``: reattach with this client's session, holding ``held`` credits, with
-        ``unreported`` steps not counted yet.
+        ``unreported`` steps not counted yet and ``unanswered`` = (seq, steps) of a credit
+        request whose answer never came. Every attempt of one reattach carries the same number.
         """
+        if resume and not self._join_seq:  # every attempt of this reattach: one number
+            self._seq += 1
+            self._join_seq = self._seq
         req = pb.JoinRequest(node=self._node(), num_workers=workers, param_count=param_count,
                              algorithm=algorithm, num_groups=num_groups,
                              resume_session=self.session if resume else 0, held_credits=held,
-                             unreported=unreported)
+                             unreported=unreported, seq=self._join_seq if resume else 0,
+                             unanswered_seq=unanswered[0], unanswered_steps=unanswered[1])
         end = time.monotonic() + connect_timeout
         delay = 0.1
         while True:
             try:
                 resp = self._stub.Join(req, metadata=self._md,
                                        timeout=min(RPC_TIMEOUT, max(1.0, end - time.monotonic())))
-                self.session, self._seq, self.epoch = resp.session, 0, resp.epoch
+                if resp.session != self.session:
+                    self._seq = 0  # numbering starts again with a new session
+                self.session, self.epoch, self._join_seq = resp.session, resp.epoch, 0
                 return resp
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -116,6 +124,11 @@ class GlobalClient:
     def heartbeat(self) -> int:
         return self._stub.Heartbeat(pb.HeartbeatRequest(node=self._node()), timeout=RPC_TIMEOUT,
                                     metadata=self._md).counter
+
+    @property
+    def last_seq(self) -> int:
+        """The number of the newest credit request sent."""
+        return self._seq
 
     def acquire(self, *, consumed: int, late: int, released: int, want: int,
                 last_round_seen: int, max_wait: float) -> CreditAnswer:
@@ -304,10 +317,13 @@ class Heartbeat:
     def _run(self) -> None:
         last_ok = time.monotonic()
         while not self._stop.wait(self.interval):
+            session = self.client.session
             try:
                 self.client.heartbeat()
                 last_ok = time.monotonic()
             except grpc.RpcError as exc:
+                if self.client.session != session:  # the node reattached meanwhile: stale
+                    continue
                 if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                     self.trouble = f"global server refused this node: {exc.details()}"
                 elif time.monotonic() - last_ok > self.give_up:

@@ -8,6 +8,7 @@ center), ``metric`` and ``value``, with ``worker_id`` naming the leader that was
 from __future__ import annotations
 
 import csv
+import os
 
 from ..files import open_private, private_dir
 import math
@@ -21,10 +22,13 @@ COLUMNS = ["round", "kind", "iteration", "time_s", "worker_id", "worker_iteratio
 class MetricsWriter:
     """Appends rows to ``metrics.csv`` in the node's run directory, flushed every round."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, staged: bool = False) -> None:
+        """``staged``: write to a temporary file until ``commit()`` (a resume keeps the old
+        file until it has succeeded)."""
         private_dir(path.parent)
         self.path = path
-        self._file = open_private(path, "w", newline="")
+        self._tmp = path.with_name(f".{path.name}.resuming") if staged else None
+        self._file = open_private(self._tmp or path, "w", newline="")
         self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
         self._csv.writeheader()
         self._file.flush()
@@ -32,6 +36,9 @@ class MetricsWriter:
     def resume(self, previous: list[dict], last_round: int) -> None:
         """Continue the rows of an earlier run up to ``last_round`` (a checkpoint's round)."""
         self.rows([r for r in previous if r.get("round", "").isdigit() and int(r["round"]) <= last_round])
+        if self._tmp is not None:
+            os.replace(self._tmp, self.path)
+            self._tmp = None
 
     @staticmethod
     def read(path: Path) -> list[dict]:
@@ -48,6 +55,8 @@ class MetricsWriter:
 
     def close(self) -> None:
         self._file.close()
+        if self._tmp is not None:  # the resume failed: the earlier file stays as it was
+            self._tmp.unlink(missing_ok=True)
 
 
 def _fmt(v: object) -> object:

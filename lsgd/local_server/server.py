@@ -135,13 +135,15 @@ class LocalServer:
         self.dir = Path(config.run_dir) / f"node{config.node_index}"
         private_dir(self.dir)
         self.previous_rows = MetricsWriter.read(self.dir / "metrics.csv") if config.resume else []
-        self.metrics = MetricsWriter(self.dir / "metrics.csv")
+        self.metrics = MetricsWriter(self.dir / "metrics.csv", staged=config.resume)
         self.summary: dict = {}
         self.layout_name: str | None = None
         self.detached_since: float | None = None  # global server out of reach since then
+        self.unanswered: tuple[int, int] = (0, 0)  # (seq, steps) of a credit request in doubt
         self.next_reattach = 0.0
         self.reattach_delay = 0.2
         self.param_count = 0
+        self.training = False  # the handshake is over
         self.stats_count = 0  # trailing statistics entries, never pulled
         self.average_stats = False  # ... and averaged over each round's participants
         self.eval_leader: dict[int, int | None] = {}  # round -> leader id being evaluated
@@ -340,6 +342,8 @@ class LocalServer:
         w.respawns.append(time.time())
         w.gone, w.error, w.released, w.outstanding = False, None, False, 0
         w.absent = True  # rounds do not wait for it while it builds its model
+        # Nothing may reach the new process before its Setup: forget what the dead one awaited.
+        self.pending = deque(i for i in self.pending if i != w.local)
         w.last_contact = time.monotonic()
         log.warning("worker %d: started again (%d of at most %d), from the %s", w.worker_id,
                     len(w.respawns), self.cfg.respawn, self._restart_point().replace("_", " "))
@@ -352,8 +356,11 @@ class LocalServer:
             self._gone(w, f"built a model of {hello.param_count} parameters; the node's has "
                           f"{self.store.layout.param_count}")
             return
+        if not self.training:  # still in the handshake: the node's buffers are not set yet
+            self._send(w, m.Setup(self.store.layout))
+            return
         ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
-        self._send(w, m.Setup(self.store.layout, from_slot=True))
+        self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
 
     def _account(self, w: WorkerState, consumed: int) -> None:
         w.iterations += consumed
@@ -424,6 +431,7 @@ class LocalServer:
                         raise
             if not self._pull(CENTER, CENTER, 0):
                 raise NodeError("could not download the initial EASGD center")
+        self.training = True
         log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,
                  self.cfg.job_id, len(ready), param_count)
 
@@ -533,9 +541,12 @@ class LocalServer:
                                        want=want, last_round_seen=self.last_round_seen,
                                        max_wait=0.0 if busy else 0.5)
         except grpc.RpcError as exc:
-            self.report = r  # not applied (or unknown): report again next time
             if exc.code() not in RECOVERABLE:
+                self.report = r
                 raise
+            # Applied or not, nobody knows: reattaching tells the server this request's number
+            # and steps, and it counts them only if the request never arrived.
+            self.unanswered = (self.client.last_seq, r.consumed + r.late)
             self._detach(f"{exc.code().name}: {exc.details()}")
             return CreditAnswer(0, 0, 0, 0, 0)
 
@@ -566,7 +577,7 @@ class LocalServer:
             resp = self.client.join(workers=self.cfg.workers, param_count=self.param_count,
                                     algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
                                     connect_timeout=0.5, resume=True, held=held,
-                                    unreported=r.consumed + r.late)
+                                    unreported=r.consumed + r.late, unanswered=self.unanswered)
         except GlobalUnreachable:
             self.next_reattach = now + self.reattach_delay
             self.reattach_delay = min(2 * self.reattach_delay, 2.0)
@@ -582,7 +593,8 @@ class LocalServer:
             for w in self.workers:
                 w.outstanding = 0
             self.pool = 0
-            self.report = Report(late=r.consumed + r.late)
+            self.report = Report(late=r.consumed + r.late + self.unanswered[1])
+        self.unanswered = (0, 0)
         self.last_round_seen = resp.round_id
         self.round_due = None
         if self.heartbeat is not None:

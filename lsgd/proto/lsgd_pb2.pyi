@@ -49,7 +49,7 @@ class NodeId(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_index: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups", "resume_session", "held_credits", "unreported")
+    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups", "resume_session", "held_credits", "unreported", "seq", "unanswered_seq", "unanswered_steps")
     NODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +58,9 @@ class JoinRequest(_message.Message):
     RESUME_SESSION_FIELD_NUMBER: _ClassVar[int]
     HELD_CREDITS_FIELD_NUMBER: _ClassVar[int]
     UNREPORTED_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    UNANSWERED_STEPS_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     num_workers: int
     param_count: int
@@ -66,7 +69,10 @@ class JoinRequest(_message.Message):
     resume_session: int
     held_credits: int
     unreported: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ..., resume_session: _Optional[int] = ..., held_credits: _Optional[int] = ..., unreported: _Optional[int] = ...) -> None: ...
+    seq: int
+    unanswered_seq: int
+    unanswered_steps: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ..., resume_session: _Optional[int] = ..., held_credits: _Optional[int] = ..., unreported: _Optional[int] = ..., seq: _Optional[int] = ..., unanswered_seq: _Optional[int] = ..., unanswered_steps: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session", "seed_center", "counter", "epoch", "round_id")
