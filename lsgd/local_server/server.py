@@ -24,7 +24,6 @@ import os
 import queue
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -34,14 +33,17 @@ from ..config import JobConfig
 from ..files import private_dir, write_atomic
 from ..leader import Candidate, elect
 from ..rules import ops
-from ..security import Security
 from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind, RoundRoles
+from ..security import Security
 from ..worker.client import WorkerContext
 from ..worker.process import worker_main
 from . import checkpoint
 from . import messages as m
+from .evaluation import EvaluationMixin, Evaluator
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
 from .metrics import MetricsWriter
+from .recovery import RecoveryMixin
+from .state import NodeError, Report, WorkerState
 from .store import NodeStore, StoreLayout, reclaim_stale
 
 log = logging.getLogger(__name__)
@@ -56,55 +58,9 @@ RECOVERABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED}
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
-EVAL_NAMES = {GLOBAL_LEADER: "leader", SUM: "average", CENTER: "center"}  # in metrics and summary
 
 
-class NodeError(RuntimeError):
-    """The node cannot go on; the message says why."""
-
-
-@dataclass
-class WorkerState:
-    local: int
-    worker_id: int
-    proc: mp.process.BaseProcess
-    replies: object
-    last_contact: float
-    outstanding: int = 0  # credits granted and not reported used
-    released: bool = False  # its credits were released; what it reports next is late
-    iterations: int = 0
-    absent: bool = False  # missed a round; rounds do not wait for it until it is heard from
-    gone: bool = False
-    error: str | None = None
-    reported: bool = False  # it reported its own failure (a Python error): not respawned
-    respawns: list[float] = field(default_factory=list)  # time.time() of each respawn
-
-
-@dataclass
-class Evaluator:
-    """Node 0's evaluator process."""
-
-    proc: mp.process.BaseProcess
-    replies: object
-    hello: m.Hello | None = None  # its Hello, until the node's store exists
-    ready: bool = False  # attached to the store, waiting for work
-    busy: int = 0  # round being evaluated (0: idle)
-    loading: int = 0  # round whose buffers it is copying (0: none)
-    gone: bool = False
-    done: int = 0  # evaluations finished
-    skipped: int = 0  # evaluation rounds skipped because it was still busy
-
-
-@dataclass
-class Report:
-    """Counts not yet reported to the global server."""
-
-    consumed: int = 0
-    late: int = 0
-    released: int = 0
-
-
-class LocalServer:
+class LocalServer(EvaluationMixin, RecoveryMixin):
     """Runs one node of a job. ``run()`` returns the process exit code."""
 
     def __init__(self, config: JobConfig, address: str, log_level: int = logging.INFO,
@@ -320,48 +276,6 @@ class LocalServer:
             return None
         return msg
 
-    # ------------------------------------------------------------------ respawn
-    def _restart_point(self) -> str:
-        """The node buffer a fresh worker starts from: the center, else the newest leader."""
-        return CENTER if self.rule.exchange == Exchange.CENTER else GLOBAL_LEADER
-
-    def _respawn(self, w: WorkerState) -> None:
-        """Policy: a worker that died without reporting an error (killed, crashed) is started
-        again, at most ``respawn`` times, from the leader or the center; a Python error in the
-        user's code is not retried (it would fail the same way)."""
-        if len(w.respawns) >= self.cfg.respawn:
-            if self.cfg.respawn:
-                log.warning("worker %d died %d times; the node goes on without it", w.worker_id,
-                            len(w.respawns) + 1)
-            return
-        old = w.replies
-        w.proc, w.replies = self._spawn(w.local, evaluator=False, name=f"worker-{w.worker_id}",
-                                        restarts=len(w.respawns) + 1)
-        old.cancel_join_thread()
-        old.close()
-        w.respawns.append(time.time())
-        w.gone, w.error, w.released, w.outstanding = False, None, False, 0
-        w.absent = True  # rounds do not wait for it while it builds its model
-        # Nothing may reach the new process before its Setup: forget what the dead one awaited.
-        self.pending = deque(i for i in self.pending if i != w.local)
-        w.last_contact = time.monotonic()
-        log.warning("worker %d: started again (%d of at most %d), from the %s", w.worker_id,
-                    len(w.respawns), self.cfg.respawn, self._restart_point().replace("_", " "))
-
-    def _setup_respawned(self, w: WorkerState, hello: m.Hello) -> None:
-        assert self.store is not None
-        if (hello.param_count, hello.stats_count) != (self.store.layout.param_count, self.stats_count):
-            w.reported = True
-            self._send(w, m.Stop("model size changed"))
-            self._gone(w, f"built a model of {hello.param_count} parameters; the node's has "
-                          f"{self.store.layout.param_count}")
-            return
-        if not self.training:  # still in the handshake: the node's buffers are not set yet
-            self._send(w, m.Setup(self.store.layout))
-            return
-        ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
-        self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
-
     def _account(self, w: WorkerState, consumed: int) -> None:
         w.iterations += consumed
         if w.released:
@@ -434,32 +348,6 @@ class LocalServer:
         self.training = True
         log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,
                  self.cfg.job_id, len(ready), param_count)
-
-    def _resume(self) -> dict:
-        """RESUME=1: slots, node buffers, step counts and metrics rows of the last checkpoint."""
-        assert self.store is not None
-        try:
-            meta = checkpoint.load(self.dir, self.store)
-        except checkpoint.CheckpointError as exc:
-            raise NodeError(str(exc)) from None
-        for w in self.workers:
-            w.iterations = int(meta["worker_iterations"].get(str(w.worker_id), 0))
-        self.metrics.resume(self.previous_rows, meta["round"])
-        log.info("node %d resumes from its checkpoint of round %d (iteration %d)",
-                 self.cfg.node_index, meta["round"], meta["iteration"])
-        return meta
-
-    def _rejoin_point(self) -> str | None:
-        """Joining a running job (a restarted node): download the center or the newest leader
-        for the workers to start from; None (start from the model's own init) if there is none."""
-        start = self._restart_point()
-        if self._pull(start, start, 0):
-            log.info("node %d joins a running job; its workers start from the %s",
-                     self.cfg.node_index, start.replace("_", " "))
-            return start
-        log.warning("node %d joins a running job without a %s to start from", self.cfg.node_index,
-                    start.replace("_", " "))
-        return None
 
     # ------------------------------------------------------------------ credits
     def _loop(self) -> None:
@@ -550,62 +438,6 @@ class LocalServer:
             self._detach(f"{exc.code().name}: {exc.details()}")
             return CreditAnswer(0, 0, 0, 0, 0)
 
-    # ------------------------------------------------------------------ reattach
-    def _detach(self, why: str) -> None:
-        """The global server is out of reach: the workers train on; reattach when it is back."""
-        if self.detached_since is None:
-            self.detached_since = time.monotonic()
-            self.next_reattach, self.reattach_delay = 0.0, 0.2
-            log.warning("node %d: lost the global server (%s); training on by itself and "
-                        "reattaching (RECONNECT_TIMEOUT %g s)", self.cfg.node_index, why,
-                        self.cfg.reconnect_timeout)
-
-    def _reattach(self) -> bool:
-        """Try to reattach (rate-limited, with backoff); True once attached again."""
-        now = time.monotonic()
-        if self.detached_since is None:
-            return True
-        if now < self.next_reattach:
-            return False
-        if now - self.detached_since > self.cfg.reconnect_timeout:
-            raise NodeError(f"global server out of reach for {now - self.detached_since:.0f} s "
-                            f"(RECONNECT_TIMEOUT); giving up")
-        held = self.pool + sum(w.outstanding for w in self._live())
-        r = self.report
-        old_session, old_epoch = self.client.session, self.client.epoch
-        try:
-            resp = self.client.join(workers=self.cfg.workers, param_count=self.param_count,
-                                    algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
-                                    connect_timeout=0.5, resume=True, held=held,
-                                    unreported=r.consumed + r.late, unanswered=self.unanswered)
-        except GlobalUnreachable:
-            self.next_reattach = now + self.reattach_delay
-            self.reattach_delay = min(2 * self.reattach_delay, 2.0)
-            return False
-        except grpc.RpcError as exc:
-            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self.next_reattach = now + self.reattach_delay
-                return False
-            raise
-        if resp.session == old_session:
-            self.report = Report()  # the server counted them and took over the held credits
-        else:  # a new membership: what this node held is void, its steps count as late
-            for w in self.workers:
-                w.outstanding = 0
-            self.pool = 0
-            self.report = Report(late=r.consumed + r.late + self.unanswered[1])
-        self.unanswered = (0, 0)
-        self.last_round_seen = resp.round_id
-        self.round_due = None
-        if self.heartbeat is not None:
-            self.heartbeat.trouble = None
-        log.warning("node %d: reattached after %.1f s (%s); counter %d", self.cfg.node_index,
-                    now - self.detached_since,
-                    "the global server had restarted" if resp.epoch != old_epoch else "same server",
-                    resp.counter)
-        self.detached_since = None
-        return True
-
     # ------------------------------------------------------------------ rounds
     def _run_round(self, ans: CreditAnswer) -> bool:
         """Run one round with the node's workers. Returns True when the job is over."""
@@ -684,27 +516,6 @@ class LocalServer:
             for i, j in (joins | sick).items()])
         return False
 
-    def _reset_sick(self, rid: int, kind: RoundKind, sick: dict[int, m.Join],
-                    new_local_leader: bool) -> dict[int, str]:
-        """Tell each non-finite worker to copy a good model: the center (EASGD), else this
-        round's local leader, else the newest global leader (every node buffer only ever holds
-        the finite parameters of a healthy worker, or the initial ones)."""
-        if not sick:
-            return {}
-        if self.rule.exchange == Exchange.CENTER:
-            target = CENTER
-        elif new_local_leader and kind == RoundKind.LOCAL and LOCAL_LEADER in self.store.layout.buffers:
-            target = LOCAL_LEADER
-        else:
-            target = GLOBAL_LEADER
-        for i in sick:
-            w = self.workers[i]
-            log.warning("round %d: worker %d has non-finite losses or parameters; resetting it to "
-                        "the %s", rid, w.worker_id, target.replace("_", " "))
-            self.resets[w.worker_id] = self.resets.get(w.worker_id, 0) + 1
-            self._send(w, m.Pull(rid, ((target, 1.0),), True, reset=True))
-        return {i: target for i in sick}
-
     def _average_stats(self, joins: dict[int, m.Join]) -> bool:
         """Set every participant's statistics (the slot's tail) to their mean over ``joins``."""
         assert self.store is not None
@@ -715,92 +526,6 @@ class LocalServer:
         for tail in tails:
             tail[:] = mean
         return True
-
-    # ------------------------------------------------------------------ evaluation
-    def _periodic_evaluation(self, rid: int, iteration: int, center: bool, leader: int | None) -> None:
-        """Hand this round's leader / average / center to the evaluator; wait for its copy only."""
-        ev = self.evaluator
-        if ev is None or ev.gone or not ev.ready:
-            return
-        if ev.busy:
-            ev.skipped += 1
-            log.info("round %d: evaluator still busy with round %d; skipping this evaluation",
-                     rid, ev.busy)
-            return
-        names = [GLOBAL_LEADER] if leader is not None else []
-        if center:  # downloaded in this round (an old center would be mislabelled)
-            names.append(CENTER)
-        if self._pull(SUM, "average", rid):  # last: downloads stage in SUM
-            names.append(SUM)
-        if not names:
-            return
-        ev.busy = ev.loading = rid
-        self.eval_leader[rid] = leader
-        self._send(ev, m.Evaluate(tuple(names), rid, iteration))
-        end = time.monotonic() + self.cfg.round_timeout
-        while ev.loading and not ev.gone and time.monotonic() < end:
-            msg = self._recv()
-            if msg is not None:
-                self._dispatch(msg)
-        if ev.loading:
-            self._evaluator_gone(f"did not copy the buffers of round {rid} in "
-                                 f"{self.cfg.round_timeout:g} s")
-
-    def _from_evaluator(self, msg: object) -> None:
-        ev = self.evaluator
-        if ev is None or ev.gone:
-            return
-        if isinstance(msg, m.Hello):
-            if self.store is None:
-                ev.hello = msg  # answered once the workers have fixed the model size
-            elif (msg.param_count, msg.stats_count) != (self.store.layout.param_count, self.stats_count):
-                self._evaluator_gone(f"built a model of {msg.param_count} parameters, the workers "
-                                     f"{self.store.layout.param_count}")
-            else:
-                self._send(ev, m.Setup(self.store.layout))
-                ev.ready = True
-        elif isinstance(msg, m.Loaded):
-            ev.loading = 0
-        elif isinstance(msg, m.EvalResult):
-            ev.busy = 0
-            ev.done += 1
-            self._eval_rows(msg.round_id, msg.iteration, msg.metrics,
-                            self.eval_leader.pop(msg.round_id, None))
-        elif isinstance(msg, m.Failed):
-            if msg.trace:
-                log.error("evaluator failed: %s\n%s", msg.error, msg.trace.rstrip())
-            self._evaluator_gone(msg.error)
-
-    def _evaluator_gone(self, why: str) -> None:
-        ev = self.evaluator
-        if ev is None or ev.gone:
-            return
-        ev.gone = True
-        if ev.proc.is_alive():
-            self._send(ev, m.Stop("evaluator dropped"))
-        if not self.stopping:
-            log.error("evaluator: %s; periodic evaluation is off for the rest of the job", why)
-
-    def _eval_rows(self, rid: int, iteration: int, metrics: dict, leader: int | None) -> None:
-        now = round(time.monotonic() - self.t0, 4)
-        self.metrics.rows([{"round": rid, "kind": "eval", "iteration": iteration, "time_s": now,
-                            "worker_id": leader if name == GLOBAL_LEADER else None,
-                            "target": EVAL_NAMES[name], "metric": key, "value": value}
-                           for name, values in metrics.items() for key, value in values.items()])
-
-    def _finish_evaluator(self) -> None:
-        """Wait (bounded) for an evaluation in progress, then stop the evaluator."""
-        ev = self.evaluator
-        if ev is None or ev.gone:
-            return
-        end = time.monotonic() + max(60.0, 2 * self.cfg.round_timeout)
-        while ev.busy and not ev.gone and time.monotonic() < end:
-            msg = self._recv()
-            if msg is not None:
-                self._dispatch(msg)
-        if ev.busy:
-            log.warning("evaluation of round %d did not finish; stopping the evaluator", ev.busy)
-        self._send(ev, m.Stop("job finished"))
 
     def _collect_joins(self, rid: int, kind: RoundKind) -> dict[int, m.Join]:
         for i in self.pending:
@@ -946,16 +671,3 @@ class LocalServer:
             elif msg is None and self.inbox.empty():
                 break
 
-    def _evaluate(self, local: int, buffers: tuple[str, ...], rid: int, iteration: int,
-                  leader: int | None) -> dict:
-        """The final evaluation, by a worker (training is over)."""
-        w = self.workers[local]
-        self._send(w, m.Evaluate(buffers, rid, iteration))
-        end = time.monotonic() + max(60.0, 2 * self.cfg.round_timeout)
-        while time.monotonic() < end and not w.gone:
-            msg = self._recv()
-            if isinstance(msg, m.EvalResult):
-                self._eval_rows(rid, iteration, msg.metrics, leader)
-                return {EVAL_NAMES[k]: v for k, v in msg.metrics.items()}
-        log.warning("evaluation by worker %d did not finish", w.worker_id)
-        return {}

@@ -1,0 +1,178 @@
+"""What a node does when something fails: a diverged worker, a dead worker, a lost global
+server, a restart in the middle of a job.
+
+- A worker whose losses or parameters are not finite is reset to a leader or the center.
+- A worker process that dies without reporting an error is started again (``respawn`` times)
+  from the center or the newest leader.
+- When the global server is out of reach the node *detaches*: its workers train on with credits
+  of the node's own, and it reattaches with its session, the credits it holds and the steps the
+  server has not counted (``reconnect_timeout`` bounds the wait).
+- A node joining a running job starts from the center or newest leader; ``RESUME=1`` starts it
+  from its checkpoint.
+
+A mixin of ``LocalServer`` (``server.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+
+import grpc
+
+from ..rules import ops
+from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, Exchange, RoundKind
+from . import checkpoint
+from . import messages as m
+from .global_client import GlobalUnreachable
+from .state import NodeError, Report, WorkerState
+
+log = logging.getLogger("lsgd.local_server.server")
+
+
+class RecoveryMixin:
+    """Reset, respawn, detach/reattach, rejoin and resume (methods of ``LocalServer``)."""
+
+    def _restart_point(self) -> str:
+        """The node buffer a fresh worker starts from: the center, else the newest leader."""
+        return CENTER if self.rule.exchange == Exchange.CENTER else GLOBAL_LEADER
+
+    def _respawn(self, w: WorkerState) -> None:
+        """Policy: a worker that died without reporting an error (killed, crashed) is started
+        again, at most ``respawn`` times, from the leader or the center; a Python error in the
+        user's code is not retried (it would fail the same way)."""
+        if len(w.respawns) >= self.cfg.respawn:
+            if self.cfg.respawn:
+                log.warning("worker %d died %d times; the node goes on without it", w.worker_id,
+                            len(w.respawns) + 1)
+            return
+        old = w.replies
+        w.proc, w.replies = self._spawn(w.local, evaluator=False, name=f"worker-{w.worker_id}",
+                                        restarts=len(w.respawns) + 1)
+        old.cancel_join_thread()
+        old.close()
+        w.respawns.append(time.time())
+        w.gone, w.error, w.released, w.outstanding = False, None, False, 0
+        w.absent = True  # rounds do not wait for it while it builds its model
+        # Nothing may reach the new process before its Setup: forget what the dead one awaited.
+        self.pending = deque(i for i in self.pending if i != w.local)
+        w.last_contact = time.monotonic()
+        log.warning("worker %d: started again (%d of at most %d), from the %s", w.worker_id,
+                    len(w.respawns), self.cfg.respawn, self._restart_point().replace("_", " "))
+
+    def _setup_respawned(self, w: WorkerState, hello: m.Hello) -> None:
+        assert self.store is not None
+        if (hello.param_count, hello.stats_count) != (self.store.layout.param_count, self.stats_count):
+            w.reported = True
+            self._send(w, m.Stop("model size changed"))
+            self._gone(w, f"built a model of {hello.param_count} parameters; the node's has "
+                          f"{self.store.layout.param_count}")
+            return
+        if not self.training:  # still in the handshake: the node's buffers are not set yet
+            self._send(w, m.Setup(self.store.layout))
+            return
+        ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
+        self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
+
+    def _detach(self, why: str) -> None:
+        """The global server is out of reach: the workers train on; reattach when it is back."""
+        if self.detached_since is None:
+            self.detached_since = time.monotonic()
+            self.next_reattach, self.reattach_delay = 0.0, 0.2
+            log.warning("node %d: lost the global server (%s); training on by itself and "
+                        "reattaching (RECONNECT_TIMEOUT %g s)", self.cfg.node_index, why,
+                        self.cfg.reconnect_timeout)
+
+    def _reattach(self) -> bool:
+        """Try to reattach (rate-limited, with backoff); True once attached again."""
+        now = time.monotonic()
+        if self.detached_since is None:
+            return True
+        if now < self.next_reattach:
+            return False
+        if now - self.detached_since > self.cfg.reconnect_timeout:
+            raise NodeError(f"global server out of reach for {now - self.detached_since:.0f} s "
+                            f"(RECONNECT_TIMEOUT); giving up")
+        held = self.pool + sum(w.outstanding for w in self._live())
+        r = self.report
+        old_session, old_epoch = self.client.session, self.client.epoch
+        try:
+            resp = self.client.join(workers=self.cfg.workers, param_count=self.param_count,
+                                    algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
+                                    connect_timeout=0.5, resume=True, held=held,
+                                    unreported=r.consumed + r.late, unanswered=self.unanswered)
+        except GlobalUnreachable:
+            self.next_reattach = now + self.reattach_delay
+            self.reattach_delay = min(2 * self.reattach_delay, 2.0)
+            return False
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self.next_reattach = now + self.reattach_delay
+                return False
+            raise
+        if resp.session == old_session:
+            self.report = Report()  # the server counted them and took over the held credits
+        else:  # a new membership: what this node held is void, its steps count as late
+            for w in self.workers:
+                w.outstanding = 0
+            self.pool = 0
+            self.report = Report(late=r.consumed + r.late + self.unanswered[1])
+        self.unanswered = (0, 0)
+        self.last_round_seen = resp.round_id
+        self.round_due = None
+        if self.heartbeat is not None:
+            self.heartbeat.trouble = None
+        log.warning("node %d: reattached after %.1f s (%s); counter %d", self.cfg.node_index,
+                    now - self.detached_since,
+                    "the global server had restarted" if resp.epoch != old_epoch else "same server",
+                    resp.counter)
+        self.detached_since = None
+        return True
+
+    def _rejoin_point(self) -> str | None:
+        """Joining a running job (a restarted node): download the center or the newest leader
+        for the workers to start from; None (start from the model's own init) if there is none."""
+        start = self._restart_point()
+        if self._pull(start, start, 0):
+            log.info("node %d joins a running job; its workers start from the %s",
+                     self.cfg.node_index, start.replace("_", " "))
+            return start
+        log.warning("node %d joins a running job without a %s to start from", self.cfg.node_index,
+                    start.replace("_", " "))
+        return None
+
+    def _resume(self) -> dict:
+        """RESUME=1: slots, node buffers, step counts and metrics rows of the last checkpoint."""
+        assert self.store is not None
+        try:
+            meta = checkpoint.load(self.dir, self.store)
+        except checkpoint.CheckpointError as exc:
+            raise NodeError(str(exc)) from None
+        for w in self.workers:
+            w.iterations = int(meta["worker_iterations"].get(str(w.worker_id), 0))
+        self.metrics.resume(self.previous_rows, meta["round"])
+        log.info("node %d resumes from its checkpoint of round %d (iteration %d)",
+                 self.cfg.node_index, meta["round"], meta["iteration"])
+        return meta
+
+    def _reset_sick(self, rid: int, kind: RoundKind, sick: dict[int, m.Join],
+                    new_local_leader: bool) -> dict[int, str]:
+        """Tell each non-finite worker to copy a good model: the center (EASGD), else this
+        round's local leader, else the newest global leader (every node buffer only ever holds
+        the finite parameters of a healthy worker, or the initial ones)."""
+        if not sick:
+            return {}
+        if self.rule.exchange == Exchange.CENTER:
+            target = CENTER
+        elif new_local_leader and kind == RoundKind.LOCAL and LOCAL_LEADER in self.store.layout.buffers:
+            target = LOCAL_LEADER
+        else:
+            target = GLOBAL_LEADER
+        for i in sick:
+            w = self.workers[i]
+            log.warning("round %d: worker %d has non-finite losses or parameters; resetting it to "
+                        "the %s", rid, w.worker_id, target.replace("_", " "))
+            self.resets[w.worker_id] = self.resets.get(w.worker_id, 0) + 1
+            self._send(w, m.Pull(rid, ((target, 1.0),), True, reset=True))
+        return {i: target for i in sick}

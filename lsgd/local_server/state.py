@@ -1,0 +1,36 @@
+"""The local server's bookkeeping records (shared by ``server.py`` and its mixins)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import dataclass, field
+
+
+class NodeError(RuntimeError):
+    """The node cannot go on; the message says why."""
+
+
+@dataclass
+class WorkerState:
+    local: int
+    worker_id: int
+    proc: mp.process.BaseProcess
+    replies: object
+    last_contact: float
+    outstanding: int = 0  # credits granted and not reported used
+    released: bool = False  # its credits were released; what it reports next is late
+    iterations: int = 0
+    absent: bool = False  # missed a round; rounds do not wait for it until it is heard from
+    gone: bool = False
+    error: str | None = None
+    reported: bool = False  # it reported its own failure (a Python error): not respawned
+    respawns: list[float] = field(default_factory=list)  # time.time() of each respawn
+
+
+@dataclass
+class Report:
+    """Counts not yet reported to the global server."""
+
+    consumed: int = 0
+    late: int = 0
+    released: int = 0
