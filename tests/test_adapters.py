@@ -137,3 +137,28 @@ class TestTorch:
         flat[:] = 0.75
         p.write_from(flat)
         assert all(bool((t == 0.75).all()) for t in p.tensors)
+
+
+def test_worker_state_saved_and_loaded_including_state_created_later(tmp_path):
+    from lsgd.worker import state as worker_state
+
+    v = np.arange(4, dtype=np.float32)
+    s = worker_state.make([v], str(tmp_path), 0, 3)
+    (tmp_path / "node0").mkdir()
+    s.save(round_id=7)
+    assert s.path.name == "state-worker3.npz" and stat_mode(s.path) == 0o600
+    v[:] = 0
+    assert s.load() and v.tolist() == [0, 1, 2, 3]
+    lazy: list = []  # like a PyTorch optimizer before its first step
+    later = worker_state.make(lambda: lazy, str(tmp_path), 0, 3)
+    assert not later.exists
+    lazy.append(np.zeros(4, np.float32))
+    assert later.exists and later.load() and lazy[0].tolist() == [0, 1, 2, 3]
+    wrong = worker_state.make([np.zeros(5, np.float32)], str(tmp_path), 0, 3)
+    assert not wrong.load()  # another shape: not restored, logged
+
+
+def stat_mode(path):
+    import stat
+
+    return stat.S_IMODE(path.stat().st_mode)

@@ -134,12 +134,12 @@ def test_a_killed_global_server_is_restarted_from_its_state_and_nodes_reattach(c
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
-def test_a_stopped_job_resumes_from_its_checkpoint(cluster, algorithm):
+def test_a_stopped_job_resumes_from_its_checkpoint(cluster, tmp_path, algorithm):
     import signal
     import time
 
     knobs = dict(NUM_GROUPS=2, ITERATIONS=16000, CHECKPOINT_EVERY=4000, ALGORITHM=algorithm,
-                 TOYJOB_STEP_SECONDS="0.001", **TOY)
+                 TOYJOB_STEP_SECONDS="0.001", TOYJOB_MOMENTUM=1, TOYJOB_COUNT_DIR=tmp_path, **TOY)
     n0 = cluster(0, PORT=0, **knobs)
     port = cluster.port_of_node0()
     n1 = cluster(1, PORT=port, **knobs)
@@ -170,6 +170,9 @@ def test_a_stopped_job_resumes_from_its_checkpoint(cluster, algorithm):
     after = [r for r in rows if int(r["round"]) > ckpt["round"]]
     assert after and all(float(r["loss"]) < 1.0 for r in after[:4] if r["loss"])  # not from init
     assert sum(r1.summary()["workers"].values()) > int(ckpt["done"]) // 4  # counts continued
+    # each worker's own state (its momentum buffer) came back from the checkpoint, not zeros
+    velocities = {p.stem: float(p.read_text()) for p in tmp_path.glob("*.velocity")}
+    assert sorted(velocities) == ["0", "1", "2", "3"] and min(velocities.values()) > 0.1
 
 
 def test_resume_without_a_checkpoint_is_a_clear_error(cluster):

@@ -10,6 +10,8 @@ TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With T
 set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
 when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
 starting at the worker's id, and writes them to ``<dir>/<worker_id>.stats`` at the end.
+TOYJOB_MOMENTUM=1 uses a momentum buffer, registered as the worker's own state; a resumed worker
+writes the norm of the buffer it got back to ``<dir>/<worker_id>.velocity``.
 """
 
 import os
@@ -51,7 +53,13 @@ def main(worker):
         time.sleep(eval_delay)
         return {"accuracy": float(1.0 / (1.0 + np.mean((x - target) ** 2)))}
 
-    worker.register(WithStats(x, stats) if stats.size else [x], evaluate=evaluate)
+    momentum = os.environ.get("TOYJOB_MOMENTUM") == "1"
+    velocity = np.zeros_like(x)
+    worker.register(WithStats(x, stats) if stats.size else [x], evaluate=evaluate,
+                    state=[velocity] if momentum else None)
+    if momentum and worker.iterations and os.environ.get("TOYJOB_COUNT_DIR"):
+        with open(os.path.join(os.environ["TOYJOB_COUNT_DIR"], f"{worker.worker_id}.velocity"), "w") as f:
+            f.write(repr(float(np.linalg.norm(velocity))))
     delay = float(os.environ.get("TOYJOB_STEP_SECONDS", "0"))
     die, stall, quit_at = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL"), _fault("TOYJOB_QUIT")
     nan_at, raise_at = _fault("TOYJOB_NAN"), _fault("TOYJOB_RAISE")
@@ -70,7 +78,12 @@ def main(worker):
         if (worker.worker_id, step) == nan_at:
             x[::7] = np.nan
         noise = rng.normal(0, 0.1, x.size).astype(np.float32)
-        x -= np.float32(cfg.lr) * (x - target + noise)
+        if momentum:
+            velocity *= np.float32(0.9)
+            velocity += x - target + noise
+            x -= np.float32(cfg.lr) * velocity
+        else:
+            x -= np.float32(cfg.lr) * (x - target + noise)
         if delay:
             time.sleep(delay)
         if not worker.step(float(np.mean((x - target) ** 2))):

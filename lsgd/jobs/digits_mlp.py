@@ -408,7 +408,8 @@ def main(worker) -> None:
                           np.random.default_rng([cfg.seed, worker.worker_id]))
     worker.register(model.params,
                     evaluate=lambda: {"accuracy": model.accuracy(data.x_test, data.y_test),
-                                      "loss": model.loss(data.x_test, data.y_test)})
+                                      "loss": model.loss(data.x_test, data.y_test)},
+                    state=model.velocities)  # its momentum, kept in checkpoints
     for xb, yb in batches:
         if not worker.step(model.train_step(xb, yb)):
             break

@@ -111,6 +111,7 @@ class Setup:
     layout: StoreLayout
     from_slot: bool = False  # start from the parameters already in your slot (a leader/center)
     iterations: int = 0  # steps this worker took before (resuming from a checkpoint)
+    resume: bool = False  # RESUME=1: load your own saved state
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,7 @@ class Pull:
     reset_window: bool
     stats_averaged: bool = False  # the slot's statistics now hold the participants' mean
     reset: bool = False  # non-finite worker: overwrite the whole slot with the one buffer named
+    checkpoint: bool = False  # a checkpoint round: save your own state (register(state=...))
 
 
 @dataclass(frozen=True)

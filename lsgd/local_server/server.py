@@ -321,7 +321,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             if start is not None:
                 ops.copy_(self.store.slot(w.local), self.store.buffer(start))
             self._send(w, m.Setup(layout, from_slot=start is not None or resumed is not None,
-                                  iterations=w.iterations))
+                                  iterations=w.iterations, resume=resumed is not None))
         if self.evaluator is not None and self.evaluator.hello is not None:
             self._from_evaluator(self.evaluator.hello)
         ready: set[int] = set()
@@ -480,10 +480,12 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         if evaluate and not center and joins:  # after the leader download, which stages in SUM
             ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
         averaged = self._average_stats(joins)
+        ckpt = bool(answer and answer.checkpoint and not answer.missed)
         for i in joins:
             roles = RoundRoles(self.workers[i].worker_id, best.worker_id if best else None,
                                global_leader, self.multi_node)
-            self._send(self.workers[i], m.Pull(rid, tuple(self.rule.pulls(kind, roles)), True, averaged))
+            self._send(self.workers[i], m.Pull(rid, tuple(self.rule.pulls(kind, roles)), True,
+                                               averaged, checkpoint=ckpt))
         resets = self._reset_sick(rid, kind, sick, best is not None)
         if upload:
             self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)

@@ -35,6 +35,7 @@ from ..leader import LossWindow
 from ..local_server import messages as m
 from ..local_server.store import NodeStore
 from ..rules import ops
+from . import state as worker_state
 from .adapters import ParamAdapter, as_params
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,8 @@ class Worker:
         self._evaluate: Callable[[], dict[str, float]] | None = None
         self._store: NodeStore | None = None
         self._proximal: list[tuple[str, float]] = []
+        self._state: worker_state.WorkerState | None = None
+        self._load_state_later = False
         self._stopped = False
         # A reply wait lasts while the local server is alive and its loop keeps running; its
         # longest blocking call (a round barrier or the first connection) is bounded by these.
@@ -97,7 +100,7 @@ class Worker:
 
     # ------------------------------------------------------------------ public API
     def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
-                 buffers: str = "local") -> None:
+                 buffers: str = "local", state: Any = None) -> None:
         """Register the model's parameters (once) and an optional evaluation function.
 
         Args:
@@ -108,10 +111,15 @@ class Worker:
                 such as ``{"accuracy": 0.97}``.
             buffers: PyTorch modules only: ``"local"`` keeps batch-norm statistics per worker,
                 ``"average"`` averages them over each round's participants on the node.
+            state: this worker's own state for checkpoints (optimizer buffers), never
+                exchanged: a list of arrays / shared variables / tensors, or a function
+                returning one (see ``lsgd.worker.state``).
         """
         if self._params is not None:
             raise RuntimeError("register() may be called once")
         self._params = as_params(params, buffers=buffers)
+        self._state = worker_state.make(state, self.config.run_dir, self.config.node_index,
+                                        self.worker_id)
         self._evaluate = evaluate
         p = self._params
         self._send(m.Hello(self.local_index, p.param_count, getattr(p, "stats_count", 0),
@@ -126,6 +134,11 @@ class Worker:
             self._serve_evaluations()  # until the job ends
             raise EvaluatorDone()
         self.iterations = setup.iterations  # > 0 when the job resumed from a checkpoint
+        if setup.resume and self._state is not None:
+            if self._state.exists:
+                self._state.load()
+            else:  # created lazily (PyTorch optimizers): load it after the first step
+                self._load_state_later = True
         if setup.from_slot:  # respawned, resumed, or joining a running job: continue from there
             self._params.write_from(self._store.slot(self.local_index))
         else:
@@ -156,6 +169,9 @@ class Worker:
             loss = float(loss)  # fails here, not at the next round, on a wrong value
         self.iterations += 1
         self._unreported += 1
+        if self._load_state_later and self._state is not None and self._state.exists:
+            self._load_state_later = False
+            self._state.load()
         self._window.add(loss)
         if self._proximal:
             self._proximal_step()
@@ -274,6 +290,8 @@ class Worker:
                     self._params.write_from(slot)
                 if pulled and msg.reset_window:
                     self._window.reset()
+                if msg.checkpoint and self._state is not None:
+                    self._state.save(msg.round_id)
                 self._send(m.Done(self.local_index, msg.round_id, distances))
                 return True
             if isinstance(msg, m.Evaluate):
@@ -344,7 +362,7 @@ class SoloWorker:
         self.iterations = 0
 
     def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
-                 buffers: str = "local") -> None:
+                 buffers: str = "local", state: Any = None) -> None:
         as_params(params, buffers=buffers)
 
     def shard(self, *arrays: Any, mode: str | None = None) -> Any:
