@@ -83,6 +83,25 @@ def test_a_slow_or_lossy_link_keeps_rounds_bounded(cluster, hosts, link):
 
 
 @pytest.mark.timeout(180)
+def test_a_congested_link_that_drops_packets_keeps_rounds_bounded(cluster, hosts):
+    # A 2 Mbit/s link with a 30 ms queue: 200 kB parameter transfers overflow the queue, so
+    # packets are dropped (and queued): loss and delay with the tbf qdisc every kernel has.
+    out = _tc(hosts["b"], hosts["link_b"], "tbf", "rate", "2mbit", "burst", "4kb", "latency", "30ms")
+    assert out.returncode == 0, out.stderr
+    n0, n1 = _start(cluster, hosts, ITERATIONS=2048, ROUND_TIMEOUT=20, TOYJOB_SIZE=50000)
+    assert n0.wait(150) == 0, n0.output
+    assert n1.wait(30) == 0, n1.output
+    stats = subprocess.run(["ip", "netns", "exec", hosts["b"], "tc", "-s", "qdisc", "show", "dev",
+                            hosts["link_b"]], capture_output=True, text=True, timeout=10).stdout
+    dropped = int(stats.split("dropped")[1].split(",")[0])
+    print(f"tbf link: {dropped} packets dropped")
+    assert dropped > 0, stats  # the link really lost packets
+    assert "missed" not in n0.output + n1.output  # and no round ran into its deadline
+    assert global_summary(cluster.run_dir)["counter"] == 2048
+    assert_clean_exit(cluster.run_dir, [n0, n1])
+
+
+@pytest.mark.timeout(180)
 def test_a_partitioned_node_is_dropped_and_reattaches_when_the_link_returns(cluster, hosts):
     n0, n1 = _start(cluster, hosts, ITERATIONS=60000, NODE_TIMEOUT=2, TOYJOB_STEP_SECONDS="0.0005")
     metrics = cluster.run_dir / "node1" / "metrics.csv"

@@ -10,7 +10,7 @@ TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With T
 set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
 when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
 starting at the worker's id, and writes them to ``<dir>/<worker_id>.stats`` at the end.
-TOYJOB_MOMENTUM=1 uses a momentum buffer, registered as the worker's own state; a resumed worker
+TOYJOB_SIZE sets the number of parameters (1000). TOYJOB_MOMENTUM=1 uses a momentum buffer, registered as the worker's own state; a resumed worker
 writes the norm of the buffer it got back to ``<dir>/<worker_id>.velocity``.
 """
 
@@ -44,7 +44,7 @@ class WithStats:
 def main(worker):
     cfg = worker.config
     rng = np.random.default_rng(cfg.seed + 1000 * worker.worker_id)
-    x = np.full(1000, 5.0, dtype=np.float32)
+    x = np.full(int(os.environ.get("TOYJOB_SIZE", "1000")), 5.0, dtype=np.float32)
     target = np.linspace(-1, 1, x.size, dtype=np.float32)
     stats = np.full(int(os.environ.get("TOYJOB_STATS", "0")), worker.worker_id, dtype=np.float32)
     eval_delay = float(os.environ.get("TOYJOB_EVAL_SECONDS", "0"))
