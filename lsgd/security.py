@@ -54,6 +54,23 @@ def _read(path: str, what: str) -> bytes:
     return data
 
 
+def _read_pem(path: str, what: str, key: bool = False) -> bytes:
+    """Read a PEM certificate (chain) or private key; SecurityError if it is not one."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    data = _read(path, what)
+    try:
+        if key:
+            serialization.load_pem_private_key(data, password=None)
+        else:
+            x509.load_pem_x509_certificates(data)
+    except (ValueError, TypeError) as exc:
+        raise SecurityError(f"{what} '{path}' is not a PEM {'private key' if key else 'certificate'} "
+                            f"without a passphrase ({exc})") from None
+    return data
+
+
 def read_secret(secret_file: str | None) -> str | None:
     """The job secret from ``secret_file`` or ``$LSGD_SECRET`` (None when neither is set)."""
     if secret_file:
@@ -81,9 +98,9 @@ class Security:
     @classmethod
     def from_config(cls, cfg) -> "Security":  # noqa: ANN001 - JobConfig (import cycle)
         """Load the files named by the job configuration; SecurityError on a bad one."""
-        ca = _read(cfg.tls_ca, "TLS CA certificate") if cfg.tls_ca else None
-        cert = _read(cfg.tls_cert, "TLS certificate") if cfg.tls_cert else None
-        key = _read(cfg.tls_key, "TLS key") if cfg.tls_key else None
+        ca = _read_pem(cfg.tls_ca, "TLS CA certificate") if cfg.tls_ca else None
+        cert = _read_pem(cfg.tls_cert, "TLS certificate") if cfg.tls_cert else None
+        key = _read_pem(cfg.tls_key, "TLS key", key=True) if cfg.tls_key else None
         return cls(read_secret(cfg.secret_file), ca, cert, key, cfg.mtls)
 
     @property

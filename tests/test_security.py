@@ -181,3 +181,16 @@ def test_lsgd_certs_command(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "node1-key.pem" in out.stdout and (tmp_path / "c" / "node1.pem").exists()
     assert os.stat(tmp_path / "c" / "secret").st_mode & 0o077 == 0
+
+
+def test_a_file_that_is_not_a_certificate_or_key_is_one_clear_line(cluster, certs, tmp_path):
+    d = certs[0]
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    node = cluster(0, PORT=0, ENTRY="toyjob:main", TLS_CA=tmp_path / "junk.pem",
+                   TLS_CERT=d / "node0.pem", TLS_KEY=d / "node0-key.pem")
+    assert node.wait(30) == 2
+    assert "TLS CA certificate" in node.output and "is not a PEM certificate" in node.output
+    assert "Traceback" not in node.output
+    node = cluster(0, PORT=0, ENTRY="toyjob:main", TLS_CA=d / "ca.pem", TLS_CERT=d / "node0.pem",
+                   TLS_KEY=d / "node0.pem")  # a certificate where the key belongs
+    assert node.wait(30) == 2 and "is not a PEM private key" in node.output
