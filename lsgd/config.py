@@ -139,10 +139,8 @@ class JobConfig:
                  f"entry '{self.entry}' must be package.module:function or path/to/script.py")
         need(self.shard in ("permutation", "disjoint"),
              f"shard '{self.shard}' is unknown; choose permutation or disjoint")
-        need(self.checkpoint_every >= 0,
-             f"checkpoint_every must be >= 0 iterations, got {self.checkpoint_every}")
-        need(self.respawn >= 0, f"respawn must be >= 0, got {self.respawn}")
-        need(self.eval_every >= 0, f"eval_every must be >= 0 iterations, got {self.eval_every}")
+        for name in ("eval_every", "checkpoint_every", "respawn"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.wire in ("float32", "bfloat16"),
              f"wire '{self.wire}' is unknown; choose float32 or bfloat16")
         if self.wire == "bfloat16":

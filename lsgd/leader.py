@@ -39,25 +39,26 @@ class LossWindow:
         """Forget every loss (the parameters changed, so old losses no longer describe them)."""
         self._losses.clear()
 
+    def read(self) -> tuple[float, bool]:
+        """``(estimate, finite)`` from one read of each loss (reading a GPU scalar syncs).
+
+        ``estimate`` is the window's mean, NaN unless the window is full and finite; ``finite``
+        is False when any loss in it is NaN or infinite (the worker has diverged).
+        """
+        values = [float(x) for x in self._losses]
+        finite = all(map(math.isfinite, values))
+        full = len(values) == self.size
+        return (math.fsum(values) / self.size if finite and full else math.nan), finite
+
     @property
     def eligible(self) -> bool:
         """True when the window is full and holds only finite losses."""
-        return len(self._losses) == self.size and all(math.isfinite(float(x)) for x in self._losses)
-
-    @property
-    def finite(self) -> bool:
-        """False when a loss in the window is NaN or infinite (the worker has diverged)."""
-        return all(math.isfinite(float(x)) for x in self._losses)
+        return len(self._losses) == self.size and self.read()[1]
 
     @property
     def estimate(self) -> float:
         """Mean of the window; NaN when not eligible."""
-        if len(self._losses) < self.size:
-            return math.nan
-        values = [float(x) for x in self._losses]  # one read of each (a GPU scalar syncs)
-        if not all(map(math.isfinite, values)):
-            return math.nan
-        return math.fsum(values) / self.size
+        return self.read()[0]
 
 
 def elect(candidates: Iterable[Candidate]) -> Candidate | None:

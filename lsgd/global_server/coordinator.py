@@ -121,6 +121,14 @@ class RoundOutcome:
     checkpoint: bool = False
 
 
+def _due(target: int, every: int, next_at: int) -> tuple[bool, int]:
+    """Whether a global round at ``target`` is the first at or past ``next_at`` (an evaluation
+    or checkpoint round, every ``every`` iterations; 0: never), and the next such counter."""
+    if not every or target < next_at:
+        return False, next_at
+    return True, (target // every + 1) * every
+
+
 class Coordinator:
     """State machine of the global server. Not thread-safe: the caller holds a lock."""
 
@@ -362,13 +370,10 @@ class Coordinator:
         self.rounds_opened += 1
         self.round = RoundState(self.rounds_opened, self.target_kind, self.target, now,
                                 expected={n.index for n in self.live_nodes})
-        if self.eval_every and self.target_kind == RoundKind.GLOBAL and self.target >= self.next_eval:
-            self.round.evaluate = True
-            self.next_eval = (self.target // self.eval_every + 1) * self.eval_every
-        if (self.checkpoint_every and self.target_kind == RoundKind.GLOBAL
-                and self.target >= self.next_checkpoint):
-            self.round.checkpoint = True
-            self.next_checkpoint = (self.target // self.checkpoint_every + 1) * self.checkpoint_every
+        if self.target_kind == RoundKind.GLOBAL:
+            self.round.evaluate, self.next_eval = _due(self.target, self.eval_every, self.next_eval)
+            self.round.checkpoint, self.next_checkpoint = _due(self.target, self.checkpoint_every,
+                                                               self.next_checkpoint)
         log.debug("round %d (%s) at %d", self.round.id, self.round.kind.name, self.target)
         if self.target_kind != RoundKind.FINAL:
             self.period_start = self.target

@@ -11,6 +11,7 @@ failed, or its deadline passed. Downloads for that round wait until it settles.
 
 from __future__ import annotations
 
+import io
 import logging
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from ..files import write_atomic
 from ..wire import aligned_empty, steady_heap, wire_dtype
 from ..rules import ops
 from ..rules.base import RoundKind, Rule, Exchange as ExchangeKind
@@ -100,10 +102,6 @@ class ParamStore:
             key = self._saved_key()
             leader, center = self.buffers[LEADER].copy(), self.buffers[CENTER].copy()
             flags = np.array([self.leader_complete, self.center_ready], dtype=np.bool_)
-        import io
-
-        from ..files import write_atomic
-
         data = io.BytesIO()
         np.savez(data, leader=leader, center=center, flags=flags)
         write_atomic(path, data.getvalue())

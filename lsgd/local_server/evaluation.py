@@ -78,9 +78,8 @@ class EvaluationMixin:
         if isinstance(msg, m.Hello):
             if self.store is None:
                 ev.hello = msg  # answered once the workers have fixed the model size
-            elif (msg.param_count, msg.stats_count) != (self.store.layout.param_count, self.stats_count):
-                self._evaluator_gone(f"built a model of {msg.param_count} parameters, the workers "
-                                     f"{self.store.layout.param_count}")
+            elif (misfit := self._misfit(msg)) is not None:
+                self._evaluator_gone(misfit)
             else:
                 self._send(ev, m.Setup(self.store.layout))
                 ev.ready = True

@@ -63,11 +63,10 @@ class RecoveryMixin:
 
     def _setup_respawned(self, w: WorkerState, hello: m.Hello) -> None:
         assert self.store is not None
-        if (hello.param_count, hello.stats_count) != (self.store.layout.param_count, self.stats_count):
+        if (misfit := self._misfit(hello)) is not None:
             w.reported = True
             self._send(w, m.Stop("model size changed"))
-            self._gone(w, f"built a model of {hello.param_count} parameters; the node's has "
-                          f"{self.store.layout.param_count}")
+            self._gone(w, misfit)
             return
         if not self.training:  # still in the handshake: the node's buffers are not set yet
             self._send(w, m.Setup(self.store.layout))

@@ -462,9 +462,11 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             return self._final_round(rid, ans.round_iteration, joins, best, local_of)
         center = self.rule.exchange == Exchange.CENTER and kind == RoundKind.GLOBAL
         if center and joins:
-            ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
+            self._sum_slots(joins)
         answer = self._report(rid, best, len(joins))
-        evaluate = bool(answer and answer.evaluate and not answer.missed)
+        exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
+        evaluate = exchanged and answer.evaluate
+        ckpt = exchanged and answer.checkpoint
         global_leader, upload, have_leader = None, False, False
         if kind == RoundKind.GLOBAL and answer and answer.leader and (
                 self.rule.exchange == Exchange.LEADER or evaluate):
@@ -478,9 +480,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             if self.rule.exchange == Exchange.LEADER and have_leader:
                 global_leader = lead
         if evaluate and not center and joins:  # after the leader download, which stages in SUM
-            ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
+            self._sum_slots(joins)
         averaged = self._average_stats(joins)
-        ckpt = bool(answer and answer.checkpoint and not answer.missed)
         for i in joins:
             roles = RoundRoles(self.workers[i].worker_id, best.worker_id if best else None,
                                global_leader, self.multi_node)
@@ -489,16 +490,16 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         resets = self._reset_sick(rid, kind, sick, best is not None)
         if upload:
             self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)
-        if (center or evaluate) and joins and answer and not answer.missed:
+        if (center or evaluate) and joins and exchanged:
             self._push(SUM, SUM, rid, summands=len(joins))
         dones = self._collect_dones(rid, set(joins) | set(sick))
         fresh_center = False
-        if center and answer and not answer.missed:
+        if center and exchanged:
             if len(dones) == len(joins):
                 fresh_center = self._pull(CENTER, CENTER, rid)
             else:  # a late worker may still read the old center: keep it one more round
                 log.warning("round %d: keeping the old center until late workers finish", rid)
-        if answer and answer.checkpoint and not answer.missed:
+        if ckpt:
             checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
                             {w.worker_id: w.iterations for w in self.workers})
         if evaluate and self.cfg.node_index == 0:
@@ -517,6 +518,20 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             "pull_center": dones.get(i, {}).get(CENTER), "reset": resets.get(i)}
             for i, j in (joins | sick).items()])
         return False
+
+    def _misfit(self, hello: m.Hello) -> str | None:
+        """Why a process that said Hello after the handshake (a respawned worker, the
+        evaluator) does not fit the node's model; None when it fits."""
+        assert self.store is not None
+        if (hello.param_count, hello.stats_count) == (self.store.layout.param_count, self.stats_count):
+            return None
+        return (f"built a model of {hello.param_count} values ({hello.stats_count} statistics); "
+                f"the node's has {self.store.layout.param_count} ({self.stats_count})")
+
+    def _sum_slots(self, joins: dict[int, m.Join]) -> None:
+        """The node's sum buffer := the sum of the participants' slots."""
+        assert self.store is not None
+        ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
 
     def _average_stats(self, joins: dict[int, m.Join]) -> bool:
         """Set every participant's statistics (the slot's tail) to their mean over ``joins``."""
@@ -624,7 +639,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
                      local_of: dict[int, int]) -> bool:
         assert self.store is not None
         if joins:
-            ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
+            self._sum_slots(joins)
         answer = self._report(rid, best, len(joins))
         if answer and not answer.missed:
             if answer.leader and answer.leader_node == self.cfg.node_index:

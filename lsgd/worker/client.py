@@ -89,6 +89,7 @@ class Worker:
         self._store: NodeStore | None = None
         self._proximal: list[tuple[str, float]] = []
         self._state: worker_state.WorkerState | None = None
+        self._pulled = 0  # leading slot entries that pulls move
         self._load_state_later = False
         self._stopped = False
         # A reply wait lasts while the local server is alive and its loop keeps running; its
@@ -122,8 +123,9 @@ class Worker:
                                         self.worker_id)
         self._evaluate = evaluate
         p = self._params
-        self._send(m.Hello(self.local_index, p.param_count, getattr(p, "stats_count", 0),
-                           getattr(p, "average_stats", False)))
+        stats = getattr(p, "stats_count", 0)  # an adapter of the user's may have none
+        self._pulled = p.param_count - stats  # the statistics tail is never pulled
+        self._send(m.Hello(self.local_index, p.param_count, stats, getattr(p, "average_stats", False)))
         if self.is_evaluator and isinstance(msg := self._get(), m.Stop):
             raise EvaluatorDone()  # the job ended before the model was even needed
         setup = msg if self.is_evaluator else self._expect(m.Setup)
@@ -190,14 +192,9 @@ class Worker:
         of this worker's own) or ``"disjoint"`` (a disjoint 1/num_workers share). Arrays are
         numpy arrays or anything indexable by an integer array (PyTorch tensors).
         """
-        return _take(arrays, _shard_indices(arrays, self.worker_id, self.num_workers,
-                                            mode or self.config.shard, self.config.seed))
-
-    @property
-    def _pulled_count(self) -> int:
-        """Entries of the slot that pulls move (the statistics tail is never pulled)."""
-        assert self._params is not None
-        return self._params.param_count - getattr(self._params, "stats_count", 0)
+        n = _common_length(arrays)
+        return _take(arrays, shard_indices(n, self.worker_id, self.num_workers,
+                                           mode or self.config.shard, self.config.seed))
 
     @property
     def registered(self) -> bool:
@@ -267,9 +264,10 @@ class Worker:
         assert self._store is not None and self._params is not None
         slot = self._store.slot(self.local_index)
         self._params.read_into(slot)
-        healthy = self._window.finite and ops.all_finite(slot)  # checked by each worker itself
-        self._send(m.Join(self.local_index, call.round_id, self._window.estimate,
-                          self._take_unreported(), self.iterations, healthy))
+        estimate, finite = self._window.read()
+        healthy = finite and ops.all_finite(slot)  # each worker checks itself, in parallel
+        self._send(m.Join(self.local_index, call.round_id, estimate, self._take_unreported(),
+                          self.iterations, healthy))
         while True:
             msg = self._get()
             if isinstance(msg, m.Pull) and msg.reset:  # diverged: start again from a good model
@@ -282,7 +280,7 @@ class Worker:
                 return True
             if isinstance(msg, m.Pull):
                 distances = {}
-                n = self._pulled_count
+                n = self._pulled
                 for name, strength in msg.pulls:
                     distances[name] = ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
                 pulled = any(s > 0 for _, s in msg.pulls)
@@ -340,7 +338,7 @@ class Worker:
         assert self._store is not None and self._params is not None
         slot = self._store.slot(self.local_index)
         self._params.read_into(slot)
-        n = self._pulled_count
+        n = self._pulled
         for name, strength in self._proximal:
             ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
         self._params.write_from(slot)
@@ -376,15 +374,13 @@ class SoloWorker:
         pass
 
 
-def _shard_indices(arrays: tuple, worker_id: int, num_workers: int, mode: str, seed: int) -> np.ndarray:
-    if not arrays:
+def _common_length(arrays: tuple) -> int:
+    if not arrays or any(len(a) != len(arrays[0]) for a in arrays):
         raise ValueError("shard() takes one or more arrays of the same length")
-    return shard_indices(len(arrays[0]), worker_id, num_workers, mode, seed)
+    return len(arrays[0])
 
 
 def _take(arrays: tuple, idx: np.ndarray) -> Any:
-    if not arrays or any(len(a) != len(arrays[0]) for a in arrays):
-        raise ValueError("shard() takes one or more arrays of the same length")
     parts = tuple(a[idx] for a in arrays)
     return parts[0] if len(parts) == 1 else parts
 
