@@ -49,7 +49,7 @@ class NodeId(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_index: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups", "resume_session", "held_credits", "unreported", "seq", "unanswered_seq", "unanswered_steps")
+    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups", "resume_session", "held_credits", "unreported", "seq", "unanswered_seq", "unanswered_steps", "replaces_session")
     NODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class JoinRequest(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     UNANSWERED_SEQ_FIELD_NUMBER: _ClassVar[int]
     UNANSWERED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_SESSION_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     num_workers: int
     param_count: int
@@ -72,7 +73,8 @@ class JoinRequest(_message.Message):
     seq: int
     unanswered_seq: int
     unanswered_steps: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ..., resume_session: _Optional[int] = ..., held_credits: _Optional[int] = ..., unreported: _Optional[int] = ..., seq: _Optional[int] = ..., unanswered_seq: _Optional[int] = ..., unanswered_steps: _Optional[int] = ...) -> None: ...
+    replaces_session: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ..., resume_session: _Optional[int] = ..., held_credits: _Optional[int] = ..., unreported: _Optional[int] = ..., seq: _Optional[int] = ..., unanswered_seq: _Optional[int] = ..., unanswered_steps: _Optional[int] = ..., replaces_session: _Optional[int] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session", "seed_center", "counter", "epoch", "round_id")
@@ -95,12 +97,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("counter", "epoch")
+    __slots__ = ("counter", "epoch", "stopped")
     COUNTER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     counter: int
     epoch: int
-    def __init__(self, counter: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    stopped: str
+    def __init__(self, counter: _Optional[int] = ..., epoch: _Optional[int] = ..., stopped: _Optional[str] = ...) -> None: ...
 
 class AcquireCreditsRequest(_message.Message):
     __slots__ = ("node", "consumed", "late_consumed", "released", "want", "last_round_seen", "max_wait_ms", "seq")
@@ -133,16 +137,18 @@ class Round(_message.Message):
     def __init__(self, id: _Optional[int] = ..., kind: _Optional[_Union[RoundKind, str]] = ..., iteration: _Optional[int] = ...) -> None: ...
 
 class AcquireCreditsResponse(_message.Message):
-    __slots__ = ("grant", "round", "counter", "epoch")
+    __slots__ = ("grant", "round", "counter", "epoch", "stopped")
     GRANT_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
     COUNTER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     grant: int
     round: Round
     counter: int
     epoch: int
-    def __init__(self, grant: _Optional[int] = ..., round: _Optional[_Union[Round, _Mapping]] = ..., counter: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    stopped: str
+    def __init__(self, grant: _Optional[int] = ..., round: _Optional[_Union[Round, _Mapping]] = ..., counter: _Optional[int] = ..., epoch: _Optional[int] = ..., stopped: _Optional[str] = ...) -> None: ...
 
 class Candidate(_message.Message):
     __slots__ = ("worker_id", "loss")
@@ -167,7 +173,7 @@ class ReportRoundRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
-    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes", "evaluate", "checkpoint")
+    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes", "evaluate", "checkpoint", "stopped")
     MISSED_FIELD_NUMBER: _ClassVar[int]
     HAS_LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +182,7 @@ class ReportRoundResponse(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     missed: bool
     has_leader: bool
     leader: Candidate
@@ -184,7 +191,8 @@ class ReportRoundResponse(_message.Message):
     nodes: _containers.RepeatedScalarFieldContainer[int]
     evaluate: bool
     checkpoint: bool
-    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ...) -> None: ...
+    stopped: str
+    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., stopped: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("node", "round_id", "buffer", "param_count", "summands", "wire_format")
@@ -237,14 +245,16 @@ class PullParamsRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., chunk_elements: _Optional[int] = ..., wire_format: _Optional[_Union[WireFormat, str]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
-    __slots__ = ("node", "consumed", "late_consumed")
+    __slots__ = ("node", "consumed", "late_consumed", "stop_job")
     NODE_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     LATE_CONSUMED_FIELD_NUMBER: _ClassVar[int]
+    STOP_JOB_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     consumed: int
     late_consumed: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., consumed: _Optional[int] = ..., late_consumed: _Optional[int] = ...) -> None: ...
+    stop_job: str
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., consumed: _Optional[int] = ..., late_consumed: _Optional[int] = ..., stop_job: _Optional[str] = ...) -> None: ...
 
 class LeaveResponse(_message.Message):
     __slots__ = ("counter",)
