@@ -170,8 +170,10 @@ class RecoveryMixin:
             target = GLOBAL_LEADER
         for i in sick:
             w = self.workers[i]
-            log.warning("round %d: worker %d has non-finite losses or parameters; resetting it to "
-                        "the %s", rid, w.worker_id, target.replace("_", " "))
+            self.repeats.warning(f"worker {w.worker_id} reset",
+                                 "round %d: worker %d has non-finite losses or parameters; "
+                                 "resetting it to the %s", rid, w.worker_id,
+                                 target.replace("_", " "))
             self.resets[w.worker_id] = self.resets.get(w.worker_id, 0) + 1
             self._send(w, m.Pull(rid, ((target, 1.0),), True, reset=True))
         return {i: target for i in sick}

@@ -32,6 +32,7 @@ import numpy as np
 from ..config import JobConfig
 from ..files import private_dir, write_atomic
 from ..leader import Candidate, elect
+from ..lograte import RepeatedLog
 from ..rules import ops
 from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind, RoundRoles
 from ..security import Security
@@ -105,6 +106,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.eval_leader: dict[int, int | None] = {}  # round -> leader id being evaluated
         self.resets: dict[int, int] = {}  # worker id -> resets after non-finite values
         self.evaluator: Evaluator | None = None
+        self.repeats = RepeatedLog(log)  # warnings that may come every round: once, then counted
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -188,6 +190,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
                                          "skipped": self.evaluator.skipped,
                                          "exit_code": self.evaluator.proc.exitcode}
         self.summary["resets"] = self.resets
+        self.summary["repeated_warnings"] = self.repeats.flush()
         self.summary["respawns"] = {w.worker_id: w.respawns for w in self.workers if w.respawns}
         self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
         self.summary["shm"] = self.layout_name
@@ -602,7 +605,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             log.warning("round %d: report failed (%s); skipping its exchange", rid, exc.details())
             return None
         if answer.missed:
-            log.warning("round %d: this node reported too late; skipping its exchange", rid)
+            self.repeats.warning("reported too late",
+                                 "round %d: this node reported too late; skipping its exchange", rid)
         return answer
 
     def _push(self, name: str, kind: str, rid: int, summands: int = 0) -> bool:
