@@ -92,7 +92,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.dir = Path(config.run_dir) / f"node{config.node_index}"
         private_dir(self.dir)
         self.previous_rows = MetricsWriter.read(self.dir / "metrics.csv") if config.resume else []
-        self.metrics = MetricsWriter(self.dir / "metrics.csv", staged=config.resume)
+        self.replaces = self._previous_session()  # this node restarted after a crash
+        self.metrics = MetricsWriter(self.dir / "metrics.csv", staged=config.resume,
+                                     keep=bool(self.replaces))
         self.summary: dict = {}
         self.layout_name: str | None = None
         self.detached_since: float | None = None  # global server out of reach since then
@@ -313,7 +315,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.layout_name = layout.name
         resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
                                 algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
-                                connect_timeout=self.cfg.connect_timeout)
+                                connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
+        self._joined(resp.session, resp.counter)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
                                    give_up=max(2 * self.cfg.node_timeout, 10.0))
         self.heartbeat.start()
@@ -672,6 +675,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self._stop_workers()
         r, self.report = self.report, Report()
         self.summary["counter"] = self.client.leave(r.consumed, r.late)
+        self._forget_session()
         return True
 
     def _stop_workers(self) -> None:
