@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from .. import exitcodes
 from ..config import JobConfig
 from ..files import private_dir, write_atomic
 from ..leader import Candidate, elect
@@ -45,7 +46,7 @@ from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartb
 from .metrics import MetricsWriter
 from .recovery import RecoveryMixin
 from .state import NodeError, Report, WorkerState
-from .store import NodeStore, StoreLayout, reclaim_stale
+from .store import NodeStore, SharedMemoryTooSmall, StoreLayout, reclaim_stale
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,10 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self._handshake()
             self._loop()
             return 0
+        except SharedMemoryTooSmall as exc:
+            log.error("node %d: %s", self.cfg.node_index, exc)
+            self.summary["error"] = str(exc)
+            return exitcodes.CONFIG
         except (NodeError, GlobalUnreachable) as exc:
             log.error("node %d: %s", self.cfg.node_index, exc)
             self.summary["error"] = str(exc)

@@ -174,7 +174,8 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     except EvaluatorDone:
         worker.close()
     except LocalServerGone as exc:
-        log.error("%s; exiting", exc)
+        # told to stop before it could train (the node failed and said why): no second error
+        (log.info if worker._stopped else log.error)("%s; exiting", exc)
         sys.exit(1)
     except BaseException as exc:  # noqa: BLE001 - reported to the local server, then exit 1
         ctx.inbox.put(m.Failed(ctx.local_index, f"{type(exc).__name__}: {exc}",
