@@ -9,6 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import grpc
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,3 +78,71 @@ def test_the_segment_is_reserved_so_touching_it_cannot_sigbus(tmp_path):
     assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
     assert "refused: /dev/shm has" in res.stdout and "needs 11.4 MB" in res.stdout, res.stdout
     assert "left: []" in res.stdout  # nothing left behind
+
+
+class Shared:
+    value = 0.0
+
+
+class Timeout(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "deadline exceeded"
+
+
+def test_the_loop_beat_goes_on_only_within_the_calls_bound():
+    import time
+
+    from lsgd.local_server.liveness import LoopBeat
+
+    shared = Shared()
+    beat = LoopBeat(shared, period=0.05)
+    try:
+        with beat.blocking(limit=0.6):
+            entered = time.time()
+            time.sleep(0.4)
+            assert shared.value > entered + 0.25  # beaten for the loop while it blocks
+            time.sleep(0.6)  # past the call's own bound: stuck, as far as anyone can tell
+            stuck_at = shared.value
+            time.sleep(0.3)
+            assert shared.value == stuck_at and time.time() - stuck_at > 0.3
+            with beat.blocking(limit=5.0):  # a nested bounded call beats again...
+                time.sleep(0.2)
+                assert time.time() - shared.value < 0.15
+            left = shared.value  # ...and leaving it restores the outer (expired) bound
+            time.sleep(0.2)
+            assert shared.value == left
+        outside = shared.value
+        time.sleep(0.2)
+        assert shared.value == outside  # outside a blocking call only the loop beats
+    finally:
+        beat.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_long_round_barrier_keeps_the_nodes_beat(tmp_path):
+    # the node loop blocked in ReportRound (a global round's barrier: up to round_timeout):
+    # its workers, which read the beat, must see it refreshed during the wait
+    import time
+
+    from lsgd.config import JobConfig
+    from lsgd.local_server.server import LocalServer
+
+    server = LocalServer(JobConfig(run_dir=str(tmp_path / "run"), port=1), "127.0.0.1:1")
+    seen = {}
+
+    def report_round(rid, best, participants):  # the barrier, until its deadline
+        seen["entered"] = time.time()
+        server.beat.value = 0.0  # only a beat during the call can set it again
+        time.sleep(2.5)
+        seen["beat"] = server.beat.value
+        raise Timeout()
+
+    server.client.report_round = report_round
+    try:
+        assert server._report(1, None, 0) is None
+    finally:
+        server._shutdown()
+    assert seen["beat"] > seen["entered"] + 0.5

@@ -42,7 +42,8 @@ from ..worker.process import worker_main
 from . import checkpoint
 from . import messages as m
 from .evaluation import EvaluationMixin, Evaluator
-from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
+from .global_client import RPC_TIMEOUT, CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
+from .liveness import LoopBeat
 from .metrics import MetricsWriter
 from .recovery import RecoveryMixin
 from .state import NodeError, Report, WorkerState
@@ -54,6 +55,7 @@ POLL = 0.05  # seconds between liveness checks while waiting for messages
 START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
 STOP_GRACE = 5.0  # seconds workers get to exit after Stop before they are terminated
 IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is waiting
+SAVE_LIMIT = 300.0  # seconds a checkpoint save may block the node loop before it counts as stuck
 # Failures after which the global server may come back (restart, partition, dropped node):
 # the node trains on by itself and reattaches. Any other status ends the node.
 RECOVERABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -75,6 +77,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.mp = mp.get_context("spawn")
         self.inbox = self.mp.Queue()
         self.beat = self.mp.Value("d", time.time(), lock=False)  # workers watch our loop run
+        self.liveness = LoopBeat(self.beat)  # ... also while it blocks in a bounded call
         self.stopping = False  # the job is over: workers leaving is expected
         self.round_due: CreditAnswer | None = None
         self.last_acquire = time.monotonic()
@@ -164,6 +167,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         return proc, replies
 
     def _shutdown(self) -> None:
+        self.liveness.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
         procs = [w for w in self.workers] + ([self.evaluator] if self.evaluator else [])
@@ -318,9 +322,10 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         reclaim_stale(self.cfg.job_id, self.cfg.node_index)
         self.store = NodeStore.create(layout)
         self.layout_name = layout.name
-        resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
-                                algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
-                                connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
+        with self.liveness.blocking(self.cfg.connect_timeout + RPC_TIMEOUT + 5):
+            resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
+                                    algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
+                                    connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
         self._joined(resp.session, resp.counter)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
                                    give_up=max(2 * self.cfg.node_timeout, 10.0))
@@ -511,8 +516,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             else:  # a late worker may still read the old center: keep it one more round
                 log.warning("round %d: keeping the old center until late workers finish", rid)
         if ckpt:
-            checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
-                            {w.worker_id: w.iterations for w in self.workers})
+            with self.liveness.blocking(SAVE_LIMIT):
+                checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
+                                {w.worker_id: w.iterations for w in self.workers})
         if evaluate and self.cfg.node_index == 0:
             if answer.leader and not have_leader:  # EASGD: the leader came from another node
                 have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
@@ -606,7 +612,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
 
     def _report(self, rid: int, best: Candidate | None, participants: int):
         try:
-            answer = self.client.report_round(rid, best, participants)
+            with self._network_call():  # a global round's barrier: up to round_timeout
+                answer = self.client.report_round(rid, best, participants)
         except grpc.RpcError as exc:
             if exc.code() in RECOVERABLE - {grpc.StatusCode.DEADLINE_EXCEEDED}:
                 self._detach(f"{exc.code().name}: {exc.details()}")
@@ -620,11 +627,17 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
     def _push(self, name: str, kind: str, rid: int, summands: int = 0) -> bool:
         assert self.store is not None
         try:
-            self.client.push(kind, self.store.buffer(name), rid, summands, wire=self.cfg.wire)
+            with self._network_call():
+                self.client.push(kind, self.store.buffer(name), rid, summands, wire=self.cfg.wire)
             return True
         except grpc.RpcError as exc:
             log.warning("round %d: upload of %s failed: %s", rid, kind, exc.details())
             return False
+
+    def _network_call(self):
+        """Beat for the loop during one round-scale call to the global server (its deadline is
+        ``round_timeout + RPC_TIMEOUT``), so that the workers do not take the wait for death."""
+        return self.liveness.blocking(self.cfg.round_timeout + RPC_TIMEOUT + 5)
 
     def _pull(self, name: str, kind: str, rid: int) -> bool:
         """Download ``kind`` into buffer ``name``; a broken download leaves ``name`` untouched.
@@ -636,7 +649,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         for attempt in range(1 if rid else 3):
             try:
                 # Stage in the sum buffer (free at this point of every round), copy when complete.
-                self.client.pull(kind, self.store.buffer(SUM), rid, wire=self.cfg.wire)
+                with self._network_call():
+                    self.client.pull(kind, self.store.buffer(SUM), rid, wire=self.cfg.wire)
                 if name != SUM:
                     ops.copy_(self.store.buffer(name), self.store.buffer(SUM))
                 return True
