@@ -322,10 +322,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         reclaim_stale(self.cfg.job_id, self.cfg.node_index)
         self.store = NodeStore.create(layout)
         self.layout_name = layout.name
-        with self.liveness.blocking(self.cfg.connect_timeout + RPC_TIMEOUT + 5):
-            resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
-                                    algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
-                                    connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
+        resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
+                                algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
+                                connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
         self._joined(resp.session, resp.counter)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
                                    give_up=max(2 * self.cfg.node_timeout, 10.0))
