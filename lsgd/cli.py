@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import threading
 import typing
@@ -27,6 +29,7 @@ from pathlib import Path
 from .config import ConfigError, JobConfig, fields
 from .files import private_dir
 from .security import Security, SecurityError, is_loopback
+from .worker.process import check_entry
 
 log = logging.getLogger("lsgd")
 
@@ -163,6 +166,25 @@ class _Supervisor(threading.Thread):
                 log.error("%s", exc)
 
 
+def _port_taken(config: JobConfig) -> str | None:
+    """Node 0: a line saying that ``PORT`` is taken on the address the global server binds
+    (the race with another program that takes it after this check ends as before, exit 1)."""
+    if config.node_index != 0 or config.port == 0:
+        return None
+    bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
+        try:
+            probe.bind((bind, config.port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return None  # the global server reports anything else itself
+            return (f"PORT {config.port} is taken on {bind} (another lsgd job or another "
+                    f"program listens there); pick another with PORT=<n> on every node, or "
+                    f"PORT=0 on a single machine for any free port")
+    return None
+
+
 def train(config: JobConfig, level: int, security: Security) -> int:
     """Run this node (and, on node 0, the global server). Returns the exit code."""
     from .local_server.server import LocalServer
@@ -245,8 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lsgd: error: {exc}", file=sys.stderr)
         return 2
     try:
-        Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-        private_dir(Path(config.run_dir) / f"node{config.node_index}")
+        private_dir(Path(config.run_dir) / f"node{config.node_index}")  # RUN_DIR too, if new
     except OSError as exc:
         print(f"lsgd: error: cannot create run directory {config.run_dir}: {exc.strerror}",
               file=sys.stderr)
@@ -263,6 +284,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lsgd: error: RESUME=1 but {missing[0]} does not exist (no checkpoint in "
                   f"RUN_DIR {config.run_dir}; set CHECKPOINT_EVERY to make them)", file=sys.stderr)
             return 2
+    problem = _port_taken(config) or check_entry(config.entry)
+    if problem:
+        print(f"lsgd: error: {problem}", file=sys.stderr)
+        return 2
     if not is_loopback(config.ip_addr):
         if security.secret is None:
             log.warning("no job secret (ALLOW_INSECURE=1): anyone who reaches port %d can join "

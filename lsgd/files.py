@@ -14,9 +14,19 @@ from typing import IO, Iterator
 
 
 def private_dir(path: str | Path) -> Path:
-    """Create ``path`` (and parents) if needed; the directory itself is made mode 0700."""
+    """Create ``path`` (and parents) if needed; the directory itself is made mode 0700.
+
+    Every parent lsgd creates is mode 0700 too (``RUN_DIR`` for ``RUN_DIR/node0``); a parent
+    that already exists keeps its mode (it may be the user's own, such as ``.``).
+    """
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for parent in reversed(path.parents):
+        if not parent.exists():
+            try:
+                parent.mkdir(mode=0o700)
+            except FileExistsError:  # made meanwhile (another node on this machine)
+                pass
+    path.mkdir(exist_ok=True, mode=0o700)
     os.chmod(path, 0o700)
     return path
 

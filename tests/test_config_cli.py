@@ -74,9 +74,12 @@ def test_unreachable_global_server_fails_after_bounded_retry(tmp_path):
 
 
 def test_bad_entry_fails_with_its_error(tmp_path):
-    res = run_train(tmp_path, ("ENTRY", "no_such_module:main"), ("PORT", "0"), timeout=90)
+    # found and well-formed, so only the worker's import can tell (a missing module is caught
+    # before workers start: tests/test_first_run.py)
+    (tmp_path / "broken_job.py").write_text("import no_such_module\n\ndef main():\n    pass\n")
+    res = run_train(tmp_path, ("ENTRY", "broken_job:main"), ("PORT", "0"), timeout=90)
     assert res.returncode == 1
-    assert "entry 'no_such_module:main': cannot import no_such_module" in res.stderr
+    assert "entry 'broken_job:main': cannot import broken_job: No module named 'no_such_module'" in res.stderr
     assert "no worker left on this node" in res.stderr
 
 

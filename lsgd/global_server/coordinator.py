@@ -196,7 +196,8 @@ class Coordinator:
     # ------------------------------------------------------------------ membership
     def join(self, *, job_id: str, index: int, workers: int, algorithm: str, num_groups: int,
              now: float, resume_session: int = 0, held: int = 0, unreported: int = 0,
-             seq: int = 0, unanswered_seq: int = 0, unanswered_steps: int = 0) -> NodeState:
+             seq: int = 0, unanswered_seq: int = 0, unanswered_steps: int = 0,
+             replaces_session: int = 0) -> NodeState:
         """Admit a node (or raise CoordinatorError, changing nothing).
 
         With ``resume_session`` equal to the node's session (after a server restart or a
@@ -204,6 +205,10 @@ class Coordinator:
         ``unreported`` steps the counter lacks (counted now, as late steps), plus the steps of
         its credit request ``unanswered_seq`` if that request never arrived. ``seq`` numbers
         the join like a credit request, so a repeated join counts nothing twice.
+
+        With ``replaces_session`` equal to the session of the live member ``index`` (the node
+        restarted after a crash, by hand or by a supervisor, before ``node_timeout`` dropped
+        it), that member is dropped now and the node joins afresh (see ``_replace``).
         """
         if job_id != self.job_id:
             raise CoordinatorError("FAILED_PRECONDITION",
@@ -234,18 +239,32 @@ class Coordinator:
                      unreported)
             return old
         if old is not None and old.alive and not old.left:
-            raise CoordinatorError("FAILED_PRECONDITION",
-                                   f"node {index} is already in the job; each node index runs once")
+            if not replaces_session or old.session != replaces_session:
+                raise CoordinatorError("FAILED_PRECONDITION",
+                                       f"node {index} is already in the job; each node index runs once")
+            if self.round is None or self.round.kind != RoundKind.FINAL:
+                self._replace(old, now)
         if self.round is not None and self.round.kind == RoundKind.FINAL:
             raise CoordinatorError("FAILED_PRECONDITION", "the job is finishing; no node can join")
         session = self.rng.getrandbits(63) | 1
         node = NodeState(index, session, workers, joined_at=now, last_seen=now,
-                         last_round_seen=self._round_seen_on_join(index))
+                         last_round_seen=self._round_seen_on_join(index),
+                         consumed=old.consumed if old is not None else 0)  # the index's total
         self.nodes[index] = node
         if len(self.live_nodes) == self.num_groups:
             self.started = True
         log.info("node %d joined (%d/%d live)", index, len(self.live_nodes), self.num_groups)
         return node
+
+    def _replace(self, old: NodeState, now: float) -> None:
+        """A restarted node takes the place of its earlier run: that membership ends as if
+        ``node_timeout`` had dropped it (its outstanding credits are freed, rounds stop waiting
+        for it; the steps it took but never reported are lost)."""
+        log.warning("node %d restarted: its earlier run is dropped (%d credits freed) and the "
+                    "node joins again", old.index, old.outstanding)
+        old.alive = False
+        old.outstanding = 0
+        self._maybe_close_round(now)
 
     def _round_seen_on_join(self, index: int) -> int:
         """A joining node takes part from the next round, or from the open one if that round

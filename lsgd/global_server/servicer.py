@@ -134,7 +134,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 num_groups=request.num_groups, now=self.clock(),
                 resume_session=request.resume_session, held=request.held_credits,
                 unreported=request.unreported, seq=request.seq,
-                unanswered_seq=request.unanswered_seq, unanswered_steps=request.unanswered_steps)
+                unanswered_seq=request.unanswered_seq, unanswered_steps=request.unanswered_steps,
+                replaces_session=request.replaces_session)
             self.params.set_param_count(request.param_count)
             # Every node offers its initial parameters until one upload has succeeded.
             return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,

@@ -85,12 +85,15 @@ class GlobalClient:
     # ------------------------------------------------------------------ control
     def join(self, *, workers: int, param_count: int, algorithm: str, num_groups: int,
              connect_timeout: float, resume: bool = False, held: int = 0,
-             unreported: int = 0, unanswered: tuple[int, int] = (0, 0)) -> pb.JoinResponse:
+             unreported: int = 0, unanswered: tuple[int, int] = (0, 0),
+             replaces: int = 0) -> pb.JoinResponse:
         """Join the job, retrying with backoff while the server is not up yet.
 
         ``resume``: reattach with this client's session, holding ``held`` credits, with
         ``unreported`` steps not counted yet and ``unanswered`` = (seq, steps) of a credit
         request whose answer never came. Every attempt of one reattach carries the same number.
+        ``replaces``: the session of this node's earlier run (restarted after a crash), which
+        the server drops in favour of this one.
         """
         if resume and not self._join_seq:  # every attempt of this reattach: one number
             self._seq += 1
@@ -99,7 +102,8 @@ class GlobalClient:
                              algorithm=algorithm, num_groups=num_groups,
                              resume_session=self.session if resume else 0, held_credits=held,
                              unreported=unreported, seq=self._join_seq if resume else 0,
-                             unanswered_seq=unanswered[0], unanswered_steps=unanswered[1])
+                             unanswered_seq=unanswered[0], unanswered_steps=unanswered[1],
+                             replaces_session=replaces)
         end = time.monotonic() + connect_timeout
         delay = 0.1
         while True:

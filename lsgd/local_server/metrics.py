@@ -22,14 +22,24 @@ COLUMNS = ["round", "kind", "iteration", "time_s", "worker_id", "worker_iteratio
 class MetricsWriter:
     """Appends rows to ``metrics.csv`` in the node's run directory, flushed every round."""
 
-    def __init__(self, path: Path, staged: bool = False) -> None:
+    def __init__(self, path: Path, staged: bool = False, keep: bool = False) -> None:
         """``staged``: write to a temporary file until ``commit()`` (a resume keeps the old
-        file until it has succeeded)."""
+        file until it has succeeded). ``keep``: append to the rows already in ``path`` (a node
+        rejoining its job after a crash); ``restart()`` empties it after all."""
         private_dir(path.parent)
         self.path = path
         self._tmp = path.with_name(f".{path.name}.resuming") if staged else None
-        self._file = open_private(self._tmp or path, "w", newline="")
+        self._file = open_private(self._tmp or path, "a" if keep and not staged else "w",
+                                  newline="")
         self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        if self._file.tell() == 0:
+            self._csv.writeheader()
+        self._file.flush()
+
+    def restart(self) -> None:
+        """Drop every row kept so far: the file holds the header only."""
+        self._file.seek(0)
+        self._file.truncate()
         self._csv.writeheader()
         self._file.flush()
 

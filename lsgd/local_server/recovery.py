@@ -8,19 +8,25 @@ server, a restart in the middle of a job.
   of the node's own, and it reattaches with its session, the credits it holds and the steps the
   server has not counted (``reconnect_timeout`` bounds the wait).
 - A node joining a running job starts from the center or newest leader; ``RESUME=1`` starts it
-  from its checkpoint.
+  from its checkpoint. A node restarted after a crash (by hand or by a supervisor) sends the
+  session of its earlier run, kept in ``RUN_DIR/node<i>/session``, so that the server drops
+  that run at once instead of refusing the index as taken; it appends to its ``metrics.csv``.
 
 A mixin of ``LocalServer`` (``server.py``).
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
+import os
 import time
 from collections import deque
 
 import grpc
 
+from ..files import write_atomic
 from ..rules import ops
 from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, Exchange, RoundKind
 from . import checkpoint
@@ -113,6 +119,7 @@ class RecoveryMixin:
         if resp.session == old_session:
             self.report = Report()  # the server counted them and took over the held credits
         else:  # a new membership: what this node held is void, its steps count as late
+            self._keep_session(resp.session)
             for w in self.workers:
                 w.outstanding = 0
             self.pool = 0
@@ -128,6 +135,46 @@ class RecoveryMixin:
                     resp.counter)
         self.detached_since = None
         return True
+
+    def _previous_session(self) -> int:
+        """The session of this node's earlier run of the same job, which never left it (it
+        crashed or was killed); 0 if there is none.
+
+        The node holds an exclusive lock on ``RUN_DIR/node<i>/lock`` while it runs (the kernel
+        drops it with the process, however it dies): if another run holds it, that run is
+        alive and this one must not replace it (the server refuses a duplicate index).
+        """
+        fd = os.open(self.dir / "lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            log.warning("node %d: another run of this node holds %s", self.cfg.node_index,
+                        self.dir / "lock")
+            return 0
+        self._lock_fd = fd  # held until the process exits
+        try:
+            saved = json.loads((self.dir / "session").read_text())
+            if saved.get("job_id") == self.cfg.job_id:
+                return int(saved["session"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        return 0
+
+    def _joined(self, session: int, counter: int) -> None:
+        """After a join: keep the session for a restart of this node; a node that replaced an
+        earlier run of a running job keeps its metrics rows, in a new job they start afresh."""
+        if self.replaces and counter == 0:
+            self.metrics.restart()
+        self._keep_session(session)
+
+    def _keep_session(self, session: int) -> None:
+        write_atomic(self.dir / "session",
+                     json.dumps({"job_id": self.cfg.job_id, "session": session}))
+
+    def _forget_session(self) -> None:
+        """The node left the job: a later start of it is a new member."""
+        (self.dir / "session").unlink(missing_ok=True)
 
     def _rejoin_point(self) -> str | None:
         """Joining a running job (a restarted node): download the center or the newest leader
@@ -170,8 +217,10 @@ class RecoveryMixin:
             target = GLOBAL_LEADER
         for i in sick:
             w = self.workers[i]
-            log.warning("round %d: worker %d has non-finite losses or parameters; resetting it to "
-                        "the %s", rid, w.worker_id, target.replace("_", " "))
+            self.repeats.warning(f"worker {w.worker_id} reset",
+                                 "round %d: worker %d has non-finite losses or parameters; "
+                                 "resetting it to the %s", rid, w.worker_id,
+                                 target.replace("_", " "))
             self.resets[w.worker_id] = self.resets.get(w.worker_id, 0) + 1
             self._send(w, m.Pull(rid, ((target, 1.0),), True, reset=True))
         return {i: target for i in sick}

@@ -29,9 +29,11 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from .. import exitcodes
 from ..config import JobConfig
 from ..files import private_dir, write_atomic
 from ..leader import Candidate, elect
+from ..lograte import RepeatedLog
 from ..rules import ops
 from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind, RoundRoles
 from ..security import Security
@@ -40,11 +42,12 @@ from ..worker.process import worker_main
 from . import checkpoint
 from . import messages as m
 from .evaluation import EvaluationMixin, Evaluator
-from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
+from .global_client import RPC_TIMEOUT, CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
+from .liveness import LoopBeat
 from .metrics import MetricsWriter
 from .recovery import RecoveryMixin
 from .state import NodeError, Report, WorkerState
-from .store import NodeStore, StoreLayout, reclaim_stale
+from .store import NodeStore, SharedMemoryTooSmall, StoreLayout, reclaim_stale
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ POLL = 0.05  # seconds between liveness checks while waiting for messages
 START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
 STOP_GRACE = 5.0  # seconds workers get to exit after Stop before they are terminated
 IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is waiting
+SAVE_LIMIT = 300.0  # seconds a checkpoint save may block the node loop before it counts as stuck
 # Failures after which the global server may come back (restart, partition, dropped node):
 # the node trains on by itself and reattaches. Any other status ends the node.
 RECOVERABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -73,6 +77,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.mp = mp.get_context("spawn")
         self.inbox = self.mp.Queue()
         self.beat = self.mp.Value("d", time.time(), lock=False)  # workers watch our loop run
+        self.liveness = LoopBeat(self.beat)  # ... also while it blocks in a bounded call
         self.stopping = False  # the job is over: workers leaving is expected
         self.round_due: CreditAnswer | None = None
         self.last_acquire = time.monotonic()
@@ -91,7 +96,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.dir = Path(config.run_dir) / f"node{config.node_index}"
         private_dir(self.dir)
         self.previous_rows = MetricsWriter.read(self.dir / "metrics.csv") if config.resume else []
-        self.metrics = MetricsWriter(self.dir / "metrics.csv", staged=config.resume)
+        self.replaces = self._previous_session()  # this node restarted after a crash
+        self.metrics = MetricsWriter(self.dir / "metrics.csv", staged=config.resume,
+                                     keep=bool(self.replaces))
         self.summary: dict = {}
         self.layout_name: str | None = None
         self.detached_since: float | None = None  # global server out of reach since then
@@ -105,6 +112,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.eval_leader: dict[int, int | None] = {}  # round -> leader id being evaluated
         self.resets: dict[int, int] = {}  # worker id -> resets after non-finite values
         self.evaluator: Evaluator | None = None
+        self.repeats = RepeatedLog(log)  # warnings that may come every round: once, then counted
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -114,6 +122,10 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self._handshake()
             self._loop()
             return 0
+        except SharedMemoryTooSmall as exc:
+            log.error("node %d: %s", self.cfg.node_index, exc)
+            self.summary["error"] = str(exc)
+            return exitcodes.CONFIG
         except (NodeError, GlobalUnreachable) as exc:
             log.error("node %d: %s", self.cfg.node_index, exc)
             self.summary["error"] = str(exc)
@@ -155,6 +167,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         return proc, replies
 
     def _shutdown(self) -> None:
+        self.liveness.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
         procs = [w for w in self.workers] + ([self.evaluator] if self.evaluator else [])
@@ -188,6 +201,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
                                          "skipped": self.evaluator.skipped,
                                          "exit_code": self.evaluator.proc.exitcode}
         self.summary["resets"] = self.resets
+        self.summary["repeated_warnings"] = self.repeats.flush()
         self.summary["respawns"] = {w.worker_id: w.respawns for w in self.workers if w.respawns}
         self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
         self.summary["shm"] = self.layout_name
@@ -310,7 +324,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.layout_name = layout.name
         resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
                                 algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
-                                connect_timeout=self.cfg.connect_timeout)
+                                connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
+        self._joined(resp.session, resp.counter)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
                                    give_up=max(2 * self.cfg.node_timeout, 10.0))
         self.heartbeat.start()
@@ -500,8 +515,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             else:  # a late worker may still read the old center: keep it one more round
                 log.warning("round %d: keeping the old center until late workers finish", rid)
         if ckpt:
-            checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
-                            {w.worker_id: w.iterations for w in self.workers})
+            with self.liveness.blocking(SAVE_LIMIT):
+                checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
+                                {w.worker_id: w.iterations for w in self.workers})
         if evaluate and self.cfg.node_index == 0:
             if answer.leader and not have_leader:  # EASGD: the leader came from another node
                 have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
@@ -595,24 +611,32 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
 
     def _report(self, rid: int, best: Candidate | None, participants: int):
         try:
-            answer = self.client.report_round(rid, best, participants)
+            with self._network_call():  # a global round's barrier: up to round_timeout
+                answer = self.client.report_round(rid, best, participants)
         except grpc.RpcError as exc:
             if exc.code() in RECOVERABLE - {grpc.StatusCode.DEADLINE_EXCEEDED}:
                 self._detach(f"{exc.code().name}: {exc.details()}")
             log.warning("round %d: report failed (%s); skipping its exchange", rid, exc.details())
             return None
         if answer.missed:
-            log.warning("round %d: this node reported too late; skipping its exchange", rid)
+            self.repeats.warning("reported too late",
+                                 "round %d: this node reported too late; skipping its exchange", rid)
         return answer
 
     def _push(self, name: str, kind: str, rid: int, summands: int = 0) -> bool:
         assert self.store is not None
         try:
-            self.client.push(kind, self.store.buffer(name), rid, summands, wire=self.cfg.wire)
+            with self._network_call():
+                self.client.push(kind, self.store.buffer(name), rid, summands, wire=self.cfg.wire)
             return True
         except grpc.RpcError as exc:
             log.warning("round %d: upload of %s failed: %s", rid, kind, exc.details())
             return False
+
+    def _network_call(self):
+        """Beat for the loop during one round-scale call to the global server (its deadline is
+        ``round_timeout + RPC_TIMEOUT``), so that the workers do not take the wait for death."""
+        return self.liveness.blocking(self.cfg.round_timeout + RPC_TIMEOUT + 5)
 
     def _pull(self, name: str, kind: str, rid: int) -> bool:
         """Download ``kind`` into buffer ``name``; a broken download leaves ``name`` untouched.
@@ -624,7 +648,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         for attempt in range(1 if rid else 3):
             try:
                 # Stage in the sum buffer (free at this point of every round), copy when complete.
-                self.client.pull(kind, self.store.buffer(SUM), rid, wire=self.cfg.wire)
+                with self._network_call():
+                    self.client.pull(kind, self.store.buffer(SUM), rid, wire=self.cfg.wire)
                 if name != SUM:
                     ops.copy_(self.store.buffer(name), self.store.buffer(SUM))
                 return True
@@ -668,6 +693,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self._stop_workers()
         r, self.report = self.report, Report()
         self.summary["counter"] = self.client.leave(r.consumed, r.late)
+        self._forget_session()
         return True
 
     def _stop_workers(self) -> None:

@@ -16,8 +16,10 @@ of that node removes the segments its earlier run left (``reclaim_stale``).
 
 from __future__ import annotations
 
+import errno
 import logging
 import mmap
+import os
 import secrets
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -72,6 +74,31 @@ class StoreLayout:
         return cls(name, param_count, slots, tuple(buffers))
 
 
+class SharedMemoryTooSmall(RuntimeError):
+    """``/dev/shm`` cannot hold the node segment (a configuration problem: exit 2)."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(
+            f"/dev/shm has {_mb(free)} free but this node's shared memory needs {_mb(needed)} "
+            "(each worker's parameters plus the node's buffers); give /dev/shm more room "
+            "(Docker: --shm-size, e.g. --shm-size=2g; Kubernetes: an emptyDir with medium: "
+            "Memory mounted at /dev/shm) or run fewer WORKERS per node")
+        self.needed, self.free = needed, free
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:,.1f} MB"
+
+
+def shm_free() -> int | None:
+    """Bytes free in ``/dev/shm`` (None where it cannot be told)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 def reclaim_stale(job_id: str, node_index: int) -> list[str]:
     """Unlink this job's segments of node ``node_index`` that no live process has mapped.
 
@@ -106,12 +133,31 @@ class NodeStore:
     def __init__(self, layout: StoreLayout, create: bool) -> None:
         self.layout = layout
         self._created = create
+        free = shm_free() if create else None
+        if free is not None and free < layout.size:
+            raise SharedMemoryTooSmall(layout.size, free)
         self._shm = shared_memory.SharedMemory(name=layout.name, create=create,
                                                size=layout.size if create else 0)
+        if create:
+            self._reserve()
         if self._shm.size < layout.size:
             self._shm.close()
             raise ValueError(f"segment {layout.name} is {self._shm.size} bytes, expected {layout.size}")
         self._views: dict[object, np.ndarray] = {}
+
+    def _reserve(self) -> None:
+        """Allocate every page of the new segment now: a size that only ftruncate set is a
+        promise, and touching a page /dev/shm has no room for kills the process (SIGBUS)."""
+        try:
+            os.posix_fallocate(self._shm._fd, 0, self.layout.size)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):  # no fallocate here: as before
+                return
+            self._shm.close()
+            self._shm.unlink()
+            if exc.errno == errno.ENOSPC:
+                raise SharedMemoryTooSmall(self.layout.size, shm_free() or 0) from None
+            raise
 
     @classmethod
     def create(cls, layout: StoreLayout) -> "NodeStore":

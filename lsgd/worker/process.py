@@ -12,7 +12,10 @@ An exception is reported to the local server as one line plus its traceback befo
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.machinery
+import importlib.util
 import inspect
 import logging
 import os
@@ -70,12 +73,91 @@ def load_entry(entry: str) -> Callable[[], None]:
     return fn
 
 
+def check_entry(entry: str) -> str | None:
+    """Why ``entry`` (``module:function``) cannot run, found before any worker starts; None
+    when it may.
+
+    Runs none of the user's code: the module is looked up on ``sys.path`` package by package without importing anything, and its source
+    is parsed (``ast``) for a top-level name ``function``. What this cannot rule out (a module
+    without Python source, a star import, a module ``__getattr__``, names made at run time)
+    is accepted, and ``load_entry`` in the worker has the last word.
+    """
+    if is_script(entry):
+        return None  # JobConfig checked that the script exists
+    module_name, _, func_name = entry.partition(":")
+    spec = _find_module(module_name)
+    if spec is None:
+        return f"ENTRY '{entry}': no module named '{module_name}' (check ENTRY and PYTHONPATH)"
+    names = _top_level_names(spec)
+    if names is not None and func_name not in names:
+        return f"ENTRY '{entry}': {module_name} has no function {func_name}"
+    return None
+
+
+def _find_module(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The spec of module ``name``, found without importing it or its packages (None: none)."""
+    if name in sys.modules:
+        return getattr(sys.modules[name], "__spec__", None) or importlib.machinery.ModuleSpec(name, None)
+    spec = None
+    path = None
+    parts = name.split(".")
+    for i in range(len(parts)):
+        if spec is not None and spec.submodule_search_locations is None:
+            return None  # a module, not a package, has no submodules
+        try:
+            spec = (importlib.util.find_spec(parts[0]) if i == 0 else
+                    importlib.machinery.PathFinder.find_spec(".".join(parts[: i + 1]), path))
+        except (ImportError, ValueError):
+            return None
+        if spec is None:
+            return None
+        path = list(spec.submodule_search_locations or [])
+    return spec
+
+
+def _top_level_names(spec: importlib.machinery.ModuleSpec) -> set[str] | None:
+    """Names bound at the top level of the module's source; None when that cannot be told."""
+    if not spec.origin or not spec.origin.endswith(".py") or not os.path.isfile(spec.origin):
+        return None
+    try:
+        with open(spec.origin, "rb") as f:
+            tree = ast.parse(f.read(), spec.origin)
+    except (OSError, SyntaxError, ValueError):
+        return None  # the worker's import reports it with its traceback
+    names: set[str] = set()
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            continue  # names inside are not the module's
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add(alias.asname or alias.name.split(".")[0])
+            continue
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Name):
+                if child.id in ("globals", "setattr", "exec", "vars"):
+                    return None  # names made at run time
+                if isinstance(child.ctx, ast.Store):
+                    names.add(child.id)
+            elif isinstance(child, ast.Attribute) and child.attr == "modules":
+                return None  # sys.modules[__name__] = ...: anything goes
+            elif not isinstance(child, ast.Lambda):
+                todo.append(child)
+    return None if "__getattr__" in names else names
+
+
 def worker_main(ctx: WorkerContext, log_level: int) -> None:
     """Run one worker (or the evaluator); exits the process with 0 on success, 1 on failure."""
     # Ctrl-C reaches the whole process group; the local server decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     who = "evaluator" if ctx.evaluator else f"worker {ctx.config.worker_id(ctx.local_index)}"
     logging.basicConfig(level=log_level, format=f"%(asctime)s {who} %(levelname)s %(message)s")
+    if log_level > logging.DEBUG:  # PyTensor's dozen "Suppressed KeyError" lines at import
+        logging.getLogger("pytensor.configparser").setLevel(logging.WARNING)
     worker = Worker(ctx)
     client._current = worker
     try:
@@ -92,7 +174,8 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     except EvaluatorDone:
         worker.close()
     except LocalServerGone as exc:
-        log.error("%s; exiting", exc)
+        # told to stop before it could train (the node failed and said why): no second error
+        (log.info if worker._stopped else log.error)("%s; exiting", exc)
         sys.exit(1)
     except BaseException as exc:  # noqa: BLE001 - reported to the local server, then exit 1
         ctx.inbox.put(m.Failed(ctx.local_index, f"{type(exc).__name__}: {exc}",

@@ -1,0 +1,148 @@
+"""A node at the edge of its machine (issue 9, item 21): a /dev/shm too small for the node
+segment (Docker's default is 64 MB), and a node loop inside a long blocking call."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import grpc
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+SMALL_SHM = "mount -t tmpfs -o size=2m tmpfs /dev/shm"
+
+
+def _private_shm_works() -> bool:
+    try:
+        return subprocess.run(["unshare", "-m", "sh", "-c", SMALL_SHM], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+needs_private_shm = pytest.mark.skipif(not _private_shm_works(),
+                                       reason="needs unshare -m and mount (root)")
+
+
+def in_small_shm(command: str, tmp_path, timeout: float, **env) -> subprocess.CompletedProcess:
+    """Run ``command`` with a 2 MB /dev/shm of its own (a private mount namespace)."""
+    full = dict(os.environ, PYTHON=sys.executable, RUN_DIR=str(tmp_path / "run"), PORT="0",
+                PYTHONPATH=os.pathsep.join([str(REPO), str(TESTS)]))
+    full.update({k: str(v) for k, v in env.items()})
+    return subprocess.run(["unshare", "-m", "sh", "-c", f"{SMALL_SHM} && exec {command}"],
+                          env=full, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
+@needs_private_shm
+@pytest.mark.timeout(90)
+def test_a_too_small_dev_shm_is_one_line_and_exit_2(tmp_path):
+    res = in_small_shm(f"bash {REPO / 'train.sh'} 0", tmp_path, timeout=80, ENTRY="toyjob:main",
+                       TOYJOB_SIZE=1_000_000, ITERATIONS=2000)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out  # not 135 (Bus error)
+    lines = [line for line in out.splitlines() if "/dev/shm has" in line]
+    assert len(lines) == 1, out
+    # 2 slots + 3 LSGD buffers (local leader, global leader, sum) of 1,000,000 float32
+    assert "/dev/shm has 2.0 MB free but this node's shared memory needs 19.1 MB" in lines[0]
+    assert "--shm-size" in lines[0] and "Traceback" not in out and "Bus error" not in out
+
+
+@needs_private_shm
+@pytest.mark.timeout(60)
+def test_the_segment_is_reserved_so_touching_it_cannot_sigbus(tmp_path):
+    # /dev/shm says it has room (the check is fooled), but the pages are not there: the
+    # reservation at creation fails with the same error instead of a SIGBUS on first touch
+    script = textwrap.dedent("""
+        import numpy as np
+        from lsgd.local_server import store
+        store.shm_free = lambda: 1 << 40
+        layout = store.StoreLayout.new("b4", 0, 1_000_000, 2, ("sum",))
+        try:
+            s = store.NodeStore.create(layout)
+        except store.SharedMemoryTooSmall as exc:
+            print("refused:", exc)
+        else:
+            for i in range(2):
+                s.slot(i)[:] = 1.0  # every page: SIGBUS where the space was never there
+            print("touched")
+        import os
+        print("left:", sorted(os.listdir("/dev/shm")))
+    """)
+    (tmp_path / "reserve.py").write_text(script)
+    res = in_small_shm(f"{sys.executable} reserve.py", tmp_path, timeout=50)
+    assert res.returncode == 0, (res.returncode, res.stdout, res.stderr)
+    assert "refused: /dev/shm has" in res.stdout and "needs 11.4 MB" in res.stdout, res.stdout
+    assert "left: []" in res.stdout  # nothing left behind
+
+
+class Shared:
+    value = 0.0
+
+
+class Timeout(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "deadline exceeded"
+
+
+def test_the_loop_beat_goes_on_only_within_the_calls_bound():
+    import time
+
+    from lsgd.local_server.liveness import LoopBeat
+
+    shared = Shared()
+    beat = LoopBeat(shared, period=0.05)
+    try:
+        with beat.blocking(limit=0.6):
+            entered = time.time()
+            time.sleep(0.4)
+            assert shared.value > entered + 0.25  # beaten for the loop while it blocks
+            time.sleep(0.6)  # past the call's own bound: stuck, as far as anyone can tell
+            stuck_at = shared.value
+            time.sleep(0.3)
+            assert shared.value == stuck_at and time.time() - stuck_at > 0.3
+            with beat.blocking(limit=5.0):  # a nested bounded call beats again...
+                time.sleep(0.2)
+                assert time.time() - shared.value < 0.15
+            left = shared.value  # ...and leaving it restores the outer (expired) bound
+            time.sleep(0.2)
+            assert shared.value == left
+        outside = shared.value
+        time.sleep(0.2)
+        assert shared.value == outside  # outside a blocking call only the loop beats
+    finally:
+        beat.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_long_round_barrier_keeps_the_nodes_beat(tmp_path):
+    # the node loop blocked in ReportRound (a global round's barrier: up to round_timeout):
+    # its workers, which read the beat, must see it refreshed during the wait
+    import time
+
+    from lsgd.config import JobConfig
+    from lsgd.local_server.server import LocalServer
+
+    server = LocalServer(JobConfig(run_dir=str(tmp_path / "run"), port=1), "127.0.0.1:1")
+    seen = {}
+
+    def report_round(rid, best, participants):  # the barrier, until its deadline
+        seen["entered"] = time.time()
+        server.beat.value = 0.0  # only a beat during the call can set it again
+        time.sleep(2.5)
+        seen["beat"] = server.beat.value
+        raise Timeout()
+
+    server.client.report_round = report_round
+    try:
+        assert server._report(1, None, 0) is None
+    finally:
+        server._shutdown()
+    assert seen["beat"] > seen["entered"] + 0.5

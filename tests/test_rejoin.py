@@ -1,0 +1,134 @@
+"""A node restarted right after a crash (systemd, Kubernetes, by hand) rejoins its job (issue 9,
+item 8): the coordinator's rule with an injected clock, then the real thing with train.sh."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from conftest import assert_clean_exit, global_summary, metric_rows
+from lsgd.global_server.coordinator import CoordinatorError
+from lsgd.leader import Candidate
+from lsgd.rules.base import RoundKind
+from test_coordinator import acq, drain, join_all, make
+
+
+def join(c, i, now=0.0, **kw):
+    return c.join(job_id="j", index=i, workers=c.workers, algorithm="lsgd", num_groups=c.num_groups,
+                  now=now, **kw)
+
+
+def test_a_restarted_node_replaces_its_live_earlier_run():
+    c = make(l_comm=4, g_comm=4, node_timeout=5)
+    s = join_all(c, 2)
+    g1 = acq(c, s, 1).grant
+    acq(c, s, 0)
+    assert g1 > 0 and c.nodes[1].outstanding == g1
+    done = c.done
+    new = join(c, 1, now=1.0, replaces_session=s[1])  # well within node_timeout
+    assert new.session not in (0, s[1]) and c.nodes[1] is new and new.alive
+    assert c.outstanding == c.nodes[0].outstanding  # the crashed run's credits are free again
+    assert c.done == done  # nothing counted for the crashed run
+    with pytest.raises(CoordinatorError, match="not a member"):  # the old session is void
+        c.heartbeat(1, s[1], now=1.5)
+    s[1] = new.session
+    assert acq(c, s, 1, now=1.5).grant > 0  # the new run gets credits
+
+
+def test_a_duplicate_index_is_still_refused_without_a_change():
+    c = make()
+    s = join_all(c, 2)
+    before = c.snapshot()
+    for replaces in (0, s[1] + 2, s[0]):  # none, a session that matches nothing, another node's
+        with pytest.raises(CoordinatorError, match="already in the job") as e:
+            join(c, 1, replaces_session=replaces)
+        assert e.value.code == "FAILED_PRECONDITION"
+        assert c.snapshot() == before and c.nodes[1].session == s[1]
+
+
+def test_replacing_a_node_that_was_dropped_or_left_is_a_plain_join():
+    c = make(node_timeout=5)
+    s = join_all(c, 2)
+    c.heartbeat(0, s[0], now=6)
+    assert c.tick(now=6) == [1]  # node 1 dropped
+    new = join(c, 1, now=7, replaces_session=s[1])
+    assert new.alive and new.session != s[1]
+
+
+def test_rounds_stop_waiting_for_the_replaced_run():
+    c = make(l_comm=4, g_comm=4, round_timeout=10)
+    s = join_all(c, 2)
+    rnd, _ = drain(c, s, [0, 1], now=1)
+    assert rnd.kind == RoundKind.GLOBAL
+    out = c.report(0, s[0], rnd.id, Candidate(0, 1.0), 2, now=2)
+    assert not out.ready  # waits for node 1, which crashed before reporting
+    new = join(c, 1, now=3, replaces_session=s[1])
+    out = c.outcome(0, rnd.id)  # closed at once, with node 0 only, long before t=11
+    assert out.ready and out.nodes == (0,) and out.leader == Candidate(0, 1.0)
+    assert new.last_round_seen == rnd.id  # the new run takes part from the next round
+    s[1] = new.session
+    assert acq(c, s, 1, now=3).grant > 0
+
+
+def test_no_replacement_while_the_job_is_finishing():
+    c = make(l_comm=4, g_comm=4, iters=16)
+    s = join_all(c, 2)
+    rnd, _ = drain(c, s, [0, 1])
+    assert rnd.kind == RoundKind.FINAL
+    before = c.snapshot()
+    with pytest.raises(CoordinatorError, match="finishing"):
+        join(c, 1, replaces_session=s[1])
+    assert c.snapshot() == before
+
+
+TOY = dict(ENTRY="toyjob:main", LOG_LEVEL="INFO")
+
+
+@pytest.mark.timeout(150)
+def test_a_node_killed_and_restarted_at_once_rejoins_and_keeps_its_metrics(cluster):
+    knobs = dict(NUM_GROUPS=2, NODE_TIMEOUT=30, ROUND_TIMEOUT=10, ITERATIONS=30000,
+                 TOYJOB_STEP_SECONDS="0.0005", **TOY)
+    n0 = cluster(0, PORT=0, **knobs)
+    port = cluster.port_of_node0()
+    n1 = cluster(1, PORT=port, **knobs)
+    metrics = cluster.run_dir / "node1" / "metrics.csv"
+    end = time.monotonic() + 60
+    while time.monotonic() < end and len(metrics.read_text().splitlines() if metrics.exists() else []) < 6:
+        time.sleep(0.1)
+    session = json.loads((cluster.run_dir / "node1" / "session").read_text())["session"]
+    assert session > 0
+    n1.kill_group()  # the node's local server and workers die at once (a crash, an OOM kill)
+    n1.wait(10)
+    first_rows = metric_rows(metrics)
+    assert len(first_rows) >= 5
+    again = cluster(1, PORT=port, **knobs)  # a supervisor restarts it at once
+    assert again.wait(120) == 0, again.output
+    assert n0.wait(30) == 0, n0.output
+    assert "node 1 restarted: its earlier run is dropped" in n0.output
+    assert "node 1 dropped" not in n0.output  # replaced at once, not after NODE_TIMEOUT=30
+    assert "already in the job" not in again.output
+    assert "node 1 joins a running job" in again.output
+    assert sum(again.summary()["workers"].values()) > 0
+    assert global_summary(cluster.run_dir)["counter"] == 30000
+    rows = metric_rows(metrics)  # the rows of both runs, the first run's first
+    assert rows[: len(first_rows)] == first_rows and len(rows) > len(first_rows)
+    assert int(rows[-1]["round"]) > int(first_rows[-1]["round"])
+    assert not (cluster.run_dir / "node1" / "session").exists()  # it left the job
+    assert_clean_exit(cluster.run_dir, [n0, again])
+
+
+@pytest.mark.timeout(60)
+def test_a_new_job_in_an_old_run_dir_starts_a_fresh_metrics_file(cluster):
+    # a session file left by a crashed run of an earlier job of the same id: the new job's
+    # server does not know it, the counter is 0 at the join, the old rows go
+    node_dir = cluster.run_dir / "node0"
+    node_dir.mkdir(parents=True)
+    (node_dir / "session").write_text(json.dumps({"job_id": cluster.job_id, "session": 12345}))
+    (node_dir / "metrics.csv").write_text("round,kind\n999,global\n")
+    n0 = cluster(0, PORT=0, ITERATIONS=2000, **TOY)
+    assert n0.wait(50) == 0, n0.output
+    rounds = [r["round"] for r in metric_rows(node_dir / "metrics.csv")]
+    assert rounds and "999" not in rounds
+    assert not (node_dir / "session").exists()
