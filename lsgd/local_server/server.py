@@ -43,6 +43,7 @@ from .evaluation import EvaluationMixin, Evaluator
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
 from .metrics import MetricsWriter
 from .recovery import RecoveryMixin
+from .rounds import readers
 from .state import NodeError, Report, WorkerState
 from .store import NodeStore, StoreLayout, reclaim_stale
 
@@ -87,6 +88,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.pending: deque[int] = deque()
         self.last_round_seen = 0
         self.rounds = 0
+        self.pulled_round = 0  # newest round whose pulls went out (never pulled twice)
         self.t0 = time.monotonic()
         self.dir = Path(config.run_dir) / f"node{config.node_index}"
         private_dir(self.dir)
@@ -266,6 +268,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self._gone(w, msg.error)
             self._check_workers()
             return None
+        if isinstance(msg, m.Done):
+            w.reading = frozenset()  # its pulls are over: the node may change those buffers
         if isinstance(msg, m.Progress):
             self._account(w, msg.consumed)
             return None
@@ -443,6 +447,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         """Run one round with the node's workers. Returns True when the job is over."""
         assert self.store is not None
         rid, kind = ans.round_id, RoundKind(ans.round_kind)
+        if kind != RoundKind.FINAL and rid <= self.pulled_round:
+            return self._report_again(rid)  # reattached into a round whose pulls went out
         self.last_round_seen = rid
         self.rounds += 1
         if self.pool:
@@ -482,11 +488,13 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         if evaluate and not center and joins:  # after the leader download, which stages in SUM
             self._sum_slots(joins)
         averaged = self._average_stats(joins)
+        self.pulled_round = rid
         for i in joins:
             roles = RoundRoles(self.workers[i].worker_id, best.worker_id if best else None,
                                global_leader, self.multi_node)
-            self._send(self.workers[i], m.Pull(rid, tuple(self.rule.pulls(kind, roles)), True,
-                                               averaged, checkpoint=ckpt))
+            pulls = tuple(self.rule.pulls(kind, roles))
+            self.workers[i].reading = frozenset(name for name, _ in pulls)
+            self._send(self.workers[i], m.Pull(rid, pulls, True, averaged, checkpoint=ckpt))
         resets = self._reset_sick(rid, kind, sick, best is not None)
         if upload:
             self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)
@@ -495,10 +503,12 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         dones = self._collect_dones(rid, set(joins) | set(sick))
         fresh_center = False
         if center and exchanged:
-            if len(dones) == len(joins):
+            late = readers(self.workers, CENTER)  # this round's and earlier rounds' pulls
+            if not late:
                 fresh_center = self._pull(CENTER, CENTER, rid)
             else:  # a late worker may still read the old center: keep it one more round
-                log.warning("round %d: keeping the old center until late workers finish", rid)
+                log.warning("round %d: keeping the old center until worker(s) %s finish their "
+                            "pulls", rid, late)
         if ckpt:
             checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
                             {w.worker_id: w.iterations for w in self.workers})
