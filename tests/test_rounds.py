@@ -18,10 +18,11 @@ from lsgd.config import JobConfig
 from lsgd.global_server.coordinator import Coordinator, Schedule
 from lsgd.local_server import messages as m
 from lsgd.local_server.global_client import CreditAnswer, RoundAnswer
+from lsgd.local_server.rounds import readers
 from lsgd.local_server.server import LocalServer
 from lsgd.local_server.state import WorkerState
 from lsgd.local_server.store import NodeStore, StoreLayout
-from lsgd.rules.base import CENTER, RoundKind
+from lsgd.rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, RoundKind
 
 PARAMS = 8
 
@@ -202,6 +203,16 @@ def node(tmp_path):
 
 
 # ---------------------------------------------------------------- item 10
+def test_readers_of_a_buffer_are_the_workers_without_done_and_not_gone():
+    ws = [WorkerState(i, 10 + i, None, None, 0.0) for i in range(4)]
+    ws[0].reading = frozenset({CENTER})  # pulling toward the center
+    ws[1].reading = frozenset({"global_leader"})  # reading another buffer
+    ws[2].reading, ws[2].gone = frozenset({CENTER}), True  # died in its pull
+    assert readers(ws, CENTER) == [10]
+    ws[0].reading = frozenset()  # its Done arrived
+    assert readers(ws, CENTER) == []
+
+
 def test_center_is_kept_while_any_worker_may_still_pull_toward_it(node):
     """EASGD: worker 0 is still pulling toward the center when worker 1, reset after a NaN,
     has finished. One Done must not stand in for another: the node keeps its copy of the
@@ -235,6 +246,28 @@ def test_late_worker_that_died_no_longer_holds_the_center(node):
     srv._check_workers()
     srv._run_round(CreditAnswer(0, 2, int(RoundKind.GLOBAL), 16, 16))
     assert srv.client.downloads == [(CENTER, 2)]
+
+
+@pytest.mark.parametrize("groups, kind, buffer", [(1, RoundKind.GLOBAL, GLOBAL_LEADER),
+                                                  (2, RoundKind.LOCAL, LOCAL_LEADER)])
+def test_leader_buffer_is_kept_while_a_late_worker_pulls_toward_it(node, groups, kind, buffer):
+    """LSGD, the same rule for the leader buffers: worker 1 still pulls toward the leader of
+    round 1 when round 2 elects worker 0 with new parameters; the buffer keeps round 1's leader
+    (and round 2 pulls nobody toward it) until worker 1 is done."""
+    srv, (w0, w1) = node(False, algorithm="lsgd", num_groups=groups)
+    w1.late = {1}
+    leader = srv.store.buffer(buffer)
+    srv.store.slot(0)[:] = 1.0
+    srv.pending.extend([0, 1])
+    srv._run_round(CreditAnswer(0, 1, int(kind), 8, 8))
+    assert w1.pulls[0].pulls == ((buffer, 0.1),) and (leader == 1.0).all()
+    srv.store.slot(0)[:] = 7.0  # worker 0 moved on; it leads round 2 alone
+    srv._run_round(CreditAnswer(0, 2, int(kind), 16, 16))
+    assert (leader == 1.0).all()  # not rewritten under worker 1's pull
+    w1.finish()
+    srv._run_round(CreditAnswer(0, 3, int(kind), 24, 24))
+    assert (leader == 7.0).all() and w1.pulls[-1].round_id == 3
+    assert w1.pulls[-1].pulls == ((buffer, 0.1),)
 
 
 # ---------------------------------------------------------------- item 11
