@@ -43,7 +43,8 @@ class JobConfig:
     beta: float | None = _f(None, "EASGD moving rate of the center (default alpha * participants)")
     l_comm: int = _f(16, "local round period, in iterations per worker")
     g_comm: int = _f(64, "global round period, in iterations per worker (a multiple of l_comm)")
-    avg_size: int | None = _f(None, "losses averaged for leader election (default l_comm // 2)")
+    avg_size: int | None = _f(None, "losses averaged for leader election: a worker's last avg_size "
+                              "since its last round, all of them when fewer (default l_comm // 2)")
     lr: float = _f(0.05, "learning rate of the local optimizer")
     momentum: float = _f(0.9, "Nesterov momentum of the local optimizer")
     batch_size: int = _f(32, "minibatch size")

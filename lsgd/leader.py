@@ -1,9 +1,12 @@
 """Leader election: per-worker loss windows and the argmin over a round's participants.
 
-Pure logic, no I/O. A worker's loss estimate is the mean of its last ``avg_size`` minibatch
-losses since its parameters last changed by a pull; a worker is eligible only when that window
-is full and every loss in it is finite (a fresh worker never looks best because of a zero-filled
-window, and a NaN/inf loss never wins).
+Pure logic, no I/O. A worker's loss estimate is the mean of its minibatch losses since the
+last round it took part in, at most the last ``avg_size`` of them; it is eligible with at least
+one loss there and every loss finite. The window restarts at every round, so all candidates are
+judged over the same stretch of training whatever ``avg_size`` is: a window larger than the steps
+between rounds is never full, yet its worker can lead (the reference code, whose ``avg_size``
+equals the round period, averages about one period too). A fresh worker never looks best because
+of a zero-filled window (the mean is over the losses it has), and a NaN/inf loss never wins.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ class Candidate:
 
 
 class LossWindow:
-    """Running window of the last ``size`` minibatch losses of one worker."""
+    """The last ``size`` minibatch losses of one worker since its window last restarted."""
 
     def __init__(self, size: int) -> None:
         if size < 1:
@@ -36,24 +39,25 @@ class LossWindow:
         self._losses.append(loss)
 
     def reset(self) -> None:
-        """Forget every loss (the parameters changed, so old losses no longer describe them)."""
+        """Start a new window: at every round the worker takes part in (a pull may have changed
+        its parameters, and every candidate of the next round is judged from the same point)."""
         self._losses.clear()
 
     def read(self) -> tuple[float, bool]:
         """``(estimate, finite)`` from one read of each loss (reading a GPU scalar syncs).
 
-        ``estimate`` is the window's mean, NaN unless the window is full and finite; ``finite``
-        is False when any loss in it is NaN or infinite (the worker has diverged).
+        ``estimate`` is the mean of the losses held (at most ``size``), NaN when there is none or
+        one is not finite; ``finite`` is False when any loss in it is NaN or infinite (the worker
+        has diverged).
         """
         values = [float(x) for x in self._losses]
         finite = all(map(math.isfinite, values))
-        full = len(values) == self.size
-        return (math.fsum(values) / self.size if finite and full else math.nan), finite
+        return (math.fsum(values) / len(values) if finite and values else math.nan), finite
 
     @property
     def eligible(self) -> bool:
-        """True when the window is full and holds only finite losses."""
-        return len(self._losses) == self.size and self.read()[1]
+        """True when the window holds at least one loss and only finite ones."""
+        return bool(self._losses) and self.read()[1]
 
     @property
     def estimate(self) -> float:

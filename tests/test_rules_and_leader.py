@@ -9,15 +9,35 @@ from lsgd.rules import EASGD, LSGD, RoundKind, RoundRoles
 from lsgd.rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER
 
 
-def test_window_is_not_eligible_until_full_and_never_zero_filled():
+def test_empty_window_is_not_eligible_and_a_partial_one_is_never_zero_filled():
     w = LossWindow(3)
+    assert not w.eligible and math.isnan(w.estimate)  # a fresh worker never looks best
     w.add(5.0)
     w.add(1.0)
-    assert not w.eligible and math.isnan(w.estimate)
+    # fewer losses than avg_size (a round came first): eligible, the mean of the losses held
+    # (3.0), not a window padded with zeros (2.0)
+    assert w.eligible and w.estimate == pytest.approx(3.0)
     w.add(3.0)
     assert w.eligible and w.estimate == pytest.approx(3.0)
     w.add(2.0)  # window slides: [1, 3, 2]
     assert w.estimate == pytest.approx(2.0)
+
+
+def test_window_larger_than_a_round_lets_every_worker_lead():
+    # AVG_SIZE=32, 8 steps between rounds: every worker's window restarts at each round, and
+    # the lowest mean of the round's losses leads; with full windows required nobody but the
+    # first leader ever qualified again (issue 9)
+    windows = [LossWindow(32), LossWindow(32)]
+    leaders = []
+    for rnd in range(6):
+        for wid, w in enumerate(windows):
+            for step in range(8):  # worker (rnd % 2) has the lower losses this round
+                w.add(1.0 if wid == rnd % 2 else 2.0)
+        best = elect(Candidate(wid, w.estimate) for wid, w in enumerate(windows))
+        leaders.append(best.worker_id if best else None)
+        for w in windows:
+            w.reset()  # every participant's window starts again at a round
+    assert leaders == [0, 1, 0, 1, 0, 1]
 
 
 def test_window_with_nan_or_inf_is_not_eligible_until_it_slides_out():

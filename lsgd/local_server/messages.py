@@ -63,7 +63,7 @@ class Join:
 
     local: int
     round_id: int
-    loss: float  # running loss estimate; NaN when the window is not full or not finite
+    loss: float  # loss estimate (lsgd.leader.LossWindow); NaN when it has no loss or a non-finite one
     consumed: int
     iterations: int  # the worker's own step count so far
     healthy: bool = True  # its recent losses and its parameters are all finite
@@ -133,7 +133,7 @@ class Pull:
 
     round_id: int
     pulls: tuple[tuple[str, float], ...]
-    reset_window: bool
+    reset_window: bool  # a round the worker took part in: its loss window starts again
     stats_averaged: bool = False  # the slot's statistics now hold the participants' mean
     reset: bool = False  # non-finite worker: overwrite the whole slot with the one buffer named
     checkpoint: bool = False  # a checkpoint round: save your own state (register(state=...))

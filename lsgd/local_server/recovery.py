@@ -60,6 +60,7 @@ class RecoveryMixin:
         old.close()
         w.respawns.append(time.time())
         w.gone, w.error, w.released, w.outstanding = False, None, False, 0
+        w.reading = frozenset()  # the new process never got the dead one's Pull
         w.absent = True  # rounds do not wait for it while it builds its model
         # Nothing may reach the new process before its Setup: forget what the dead one awaited.
         self.pending = deque(i for i in self.pending if i != w.local)
@@ -175,6 +176,17 @@ class RecoveryMixin:
     def _forget_session(self) -> None:
         """The node left the job: a later start of it is a new member."""
         (self.dir / "session").unlink(missing_ok=True)
+    def _report_again(self, rid: int) -> bool:
+        """A round handed to the node again: its report failed after the pulls went out, and
+        the node reattached while the round still waited for it. Report it (so that it does not
+        wait for this node, and the final round is never skipped) but run nothing twice: no
+        collection, no pull, no part in the exchange (no candidate, no participants), as for a
+        node whose workers all missed the round. Returns False (the job goes on)."""
+        self.last_round_seen = rid
+        log.warning("round %d: handed again after reattaching; its pulls were applied already, "
+                    "reporting it without an exchange", rid)
+        self._report(rid, None, 0)
+        return False
 
     def _rejoin_point(self) -> str | None:
         """Joining a running job (a restarted node): download the center or the newest leader
@@ -222,5 +234,6 @@ class RecoveryMixin:
                                  "resetting it to the %s", rid, w.worker_id,
                                  target.replace("_", " "))
             self.resets[w.worker_id] = self.resets.get(w.worker_id, 0) + 1
+            w.reading = frozenset({target})
             self._send(w, m.Pull(rid, ((target, 1.0),), True, reset=True))
         return {i: target for i in sick}

@@ -46,6 +46,7 @@ from .global_client import RPC_TIMEOUT, CreditAnswer, GlobalClient, GlobalUnreac
 from .liveness import LoopBeat
 from .metrics import MetricsWriter
 from .recovery import RecoveryMixin
+from .rounds import readers
 from .state import NodeError, Report, WorkerState
 from .store import NodeStore, SharedMemoryTooSmall, StoreLayout, reclaim_stale
 
@@ -92,6 +93,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.pending: deque[int] = deque()
         self.last_round_seen = 0
         self.rounds = 0
+        self.pulled_round = 0  # newest round whose pulls went out (never pulled twice)
         self.t0 = time.monotonic()
         self.dir = Path(config.run_dir) / f"node{config.node_index}"
         private_dir(self.dir)
@@ -280,6 +282,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self._gone(w, msg.error)
             self._check_workers()
             return None
+        if isinstance(msg, m.Done):
+            w.reading = frozenset()  # its pulls are over: the node may change those buffers
         if isinstance(msg, m.Progress):
             self._account(w, msg.consumed)
             return None
@@ -458,6 +462,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         """Run one round with the node's workers. Returns True when the job is over."""
         assert self.store is not None
         rid, kind = ans.round_id, RoundKind(ans.round_kind)
+        if kind != RoundKind.FINAL and rid <= self.pulled_round:
+            return self._report_again(rid)  # reattached into a round whose pulls went out
         self.last_round_seen = rid
         self.rounds += 1
         if self.pool:
@@ -471,8 +477,13 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         cands = [Candidate(self.workers[i].worker_id, j.loss) for i, j in joins.items()]
         best = elect(cands)
         local_of = {w.worker_id: w.local for w in self.workers}
-        if best is not None and LOCAL_LEADER in self.store.layout.buffers:
+        # A node buffer a late worker still pulls toward is not rewritten: pulls toward it are
+        # left out of this round instead (rounds.py).
+        local_lead = None  # the local leader whose parameters LOCAL_LEADER holds this round
+        if (best is not None and LOCAL_LEADER in self.store.layout.buffers
+                and self._free(LOCAL_LEADER, rid)):
             ops.copy_(self.store.buffer(LOCAL_LEADER), self.store.slot(local_of[best.worker_id]))
+            local_lead = best.worker_id
         if kind == RoundKind.FINAL:
             return self._final_round(rid, ans.round_iteration, joins, best, local_of)
         center = self.rule.exchange == Exchange.CENTER and kind == RoundKind.GLOBAL
@@ -482,45 +493,48 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
         evaluate = exchanged and answer.evaluate
         ckpt = exchanged and answer.checkpoint
-        global_leader, upload, have_leader = None, False, False
+        global_leader, upload, have_leader, source = None, False, False, None
         if kind == RoundKind.GLOBAL and answer and answer.leader and (
                 self.rule.exchange == Exchange.LEADER or evaluate):
             lead = answer.leader.worker_id
             if answer.leader_node == self.cfg.node_index:
-                ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[lead]))
+                if self._free(GLOBAL_LEADER, rid):
+                    ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[lead]))
+                    source, have_leader = GLOBAL_LEADER, True
+                else:  # the same vector, copied from the same slot this round, if it was
+                    source = LOCAL_LEADER if local_lead == lead else None
                 # see ParamStore.begin: which leader uploads the server expects
-                upload, have_leader = evaluate or len(answer.nodes) > 1, True
-            elif self.rule.exchange == Exchange.LEADER:
+                upload = (evaluate or len(answer.nodes) > 1) and source is not None
+            elif self.rule.exchange == Exchange.LEADER and self._free(GLOBAL_LEADER, rid):
                 have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
             if self.rule.exchange == Exchange.LEADER and have_leader:
                 global_leader = lead
         if evaluate and not center and joins:  # after the leader download, which stages in SUM
             self._sum_slots(joins)
         averaged = self._average_stats(joins)
+        self.pulled_round = rid
         for i in joins:
-            roles = RoundRoles(self.workers[i].worker_id, best.worker_id if best else None,
-                               global_leader, self.multi_node)
-            self._send(self.workers[i], m.Pull(rid, tuple(self.rule.pulls(kind, roles)), True,
-                                               averaged, checkpoint=ckpt))
-        resets = self._reset_sick(rid, kind, sick, best is not None)
+            roles = RoundRoles(self.workers[i].worker_id, local_lead, global_leader,
+                               self.multi_node)
+            pulls = tuple(self.rule.pulls(kind, roles))
+            self.workers[i].reading = frozenset(name for name, _ in pulls)
+            self._send(self.workers[i], m.Pull(rid, pulls, True, averaged, checkpoint=ckpt))
+        resets = self._reset_sick(rid, kind, sick, local_lead is not None)
         if upload:
-            self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+            self._push(source, GLOBAL_LEADER, rid)
         if (center or evaluate) and joins and exchanged:
             self._push(SUM, SUM, rid, summands=len(joins))
         dones = self._collect_dones(rid, set(joins) | set(sick))
         fresh_center = False
-        if center and exchanged:
-            if len(dones) == len(joins):
-                fresh_center = self._pull(CENTER, CENTER, rid)
-            else:  # a late worker may still read the old center: keep it one more round
-                log.warning("round %d: keeping the old center until late workers finish", rid)
+        if center and exchanged and self._free(CENTER, rid):  # this round's and earlier pulls
+            fresh_center = self._pull(CENTER, CENTER, rid)
         if ckpt:
             with self.liveness.blocking(SAVE_LIMIT):
                 checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
                                 {w.worker_id: w.iterations for w in self.workers})
         if evaluate and self.cfg.node_index == 0:
-            if answer.leader and not have_leader:  # EASGD: the leader came from another node
-                have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+            if answer.leader and not have_leader and self._free(GLOBAL_LEADER, rid):
+                have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)  # from another node
             self._periodic_evaluation(rid, ans.round_iteration, fresh_center,
                                       answer.leader.worker_id if have_leader else None)
         now = round(time.monotonic() - self.t0, 4)
@@ -534,6 +548,14 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             "pull_center": dones.get(i, {}).get(CENTER), "reset": resets.get(i)}
             for i, j in (joins | sick).items()])
         return False
+
+    def _free(self, buffer: str, rid: int) -> bool:
+        """Whether the node may rewrite ``buffer``: no worker may still pull toward it."""
+        late = readers(self.workers, buffer)
+        if late:
+            log.warning("round %d: keeping the old %s until worker(s) %s finish their pulls",
+                        rid, buffer.replace("_", " "), late)
+        return not late
 
     def _misfit(self, hello: m.Hello) -> str | None:
         """Why a process that said Hello after the handshake (a respawned worker, the

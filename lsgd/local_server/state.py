@@ -25,6 +25,7 @@ class WorkerState:
     error: str | None = None
     reported: bool = False  # it reported its own failure (a Python error): not respawned
     respawns: list[float] = field(default_factory=list)  # time.time() of each respawn
+    reading: frozenset[str] = frozenset()  # node buffers its unanswered Pull reads (rounds.py)
 
 
 @dataclass

@@ -286,7 +286,7 @@ class Worker:
                 pulled = any(s > 0 for _, s in msg.pulls)
                 if pulled or msg.stats_averaged:
                     self._params.write_from(slot)
-                if pulled and msg.reset_window:
+                if msg.reset_window:  # every candidate of the next round starts afresh
                     self._window.reset()
                 if msg.checkpoint and self._state is not None:
                     self._state.save(msg.round_id)
