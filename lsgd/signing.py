@@ -38,7 +38,7 @@ import grpc
 SIGNATURE_KEY = "x-lsgd-signature"  # gRPC metadata key
 VERSION = "1"
 MAX_SKEW = 30.0  # seconds a call's timestamp may differ from the server's clock
-MAX_NONCES = 1 << 16  # nonces remembered (about 10 MB at most)
+MAX_NONCES = 1 << 16  # nonces remembered (about 13 MB at most)
 _KEY_LABEL = b"lsgd call signing key v1"
 _MAC_LABEL = b"lsgd-call-v1"
 
@@ -126,10 +126,11 @@ class Verifier:
         if isinstance(signature, bytes):
             signature = signature.decode("ascii", "replace")
         parts = (signature or "").split(".")
-        if len(parts) != 4 or parts[0] != VERSION or not parts[1].isdigit() or len(parts[1]) > 16:
+        ms_text = parts[1] if len(parts) == 4 else ""
+        if parts[0] != VERSION or not (ms_text.isascii() and ms_text.isdigit()) or len(ms_text) > 16:
             return ("missing or malformed call signature: every node needs the job secret "
                     "(SECRET_FILE or LSGD_SECRET must match node 0's)")
-        _, ms_text, nonce, mac = parts
+        nonce, mac = parts[2], parts[3]
         ms = int(ms_text)
         if len(nonce) != 32 or not hmac.compare_digest(_mac(self._key, method, ms, nonce, body), mac):
             return ("call signature does not match: wrong job secret (SECRET_FILE or LSGD_SECRET "
