@@ -16,6 +16,9 @@ An observer of a plaintext link so learns neither the secret nor a usable call: 
 read off the wire is worthless without the key. Nonces are remembered for as long as their
 timestamp is acceptable, at most ``MAX_NONCES`` of them; when that many calls arrive within
 the window, the oldest are forgotten and every timestamp up to theirs is refused from then on.
+They live in the server process: a restarted global server does not know those of the last
+``MAX_SKEW`` seconds (a call captured then meets only the coordinator's session and request
+number checks).
 
 Not covered without TLS: the chunks after an upload's header (their integrity rests on TCP,
 i.e. on nobody altering the stream in flight; the server still refuses non-finite values),

@@ -241,6 +241,10 @@ def test_a_job_over_mutual_tls_with_a_secret(cluster, certs, tmp_path):
                   **(knobs | {"SECRET_FILE": tmp_path / "wrong"}))
     assert bad.wait(60) == 1
     assert "UNAUTHENTICATED" in bad.output and "job secret" in bad.output
+    # a node that presents node 0's certificate cannot join as node 1
+    bad = cluster(1, PORT=port, TLS_CERT=d / "node0.pem", TLS_KEY=d / "node0-key.pem", **knobs)
+    assert bad.wait(60) == 1
+    assert "PERMISSION_DENIED" in bad.output and "node 0's" in bad.output
     n1 = cluster(1, PORT=port, TLS_CERT=d / "node1.pem", TLS_KEY=d / "node1-key.pem", **knobs)
     assert n0.wait(90) == 0, n0.output
     assert n1.wait(30) == 0, n1.output
