@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
             log.warning("no job secret (ALLOW_INSECURE=1): anyone who reaches port %d can join "
                         "or disturb this job", config.port)
         elif security.ca is None:
-            log.warning("no TLS (TLS_CA/TLS_CERT/TLS_KEY): the job secret and the parameters "
-                        "cross the network in clear text")
+            log.warning("no TLS (TLS_CA/TLS_CERT/TLS_KEY): the parameters cross the network in "
+                        "clear text (calls are signed; the secret itself never travels)")
     return train(config, level, security)
 
 

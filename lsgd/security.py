@@ -1,13 +1,16 @@
 """Keeping strangers out: TLS (optionally mutual) on every gRPC channel, and a per-job secret.
 
-- The **secret** (``SECRET_FILE``, or the ``LSGD_SECRET`` environment variable) travels in the
-  metadata of every call; the global server answers UNAUTHENTICATED, with no state change, to a
-  call without it. Compared in constant time.
+- The **secret** (``SECRET_FILE``, or the ``LSGD_SECRET`` environment variable) never travels:
+  each node signs every call with it (``lsgd.signing``), and the global server answers
+  UNAUTHENTICATED, with no state change, to a call whose signature is missing, wrong, stale or
+  replayed.
 - **TLS**: node 0 serves with ``TLS_CERT``/``TLS_KEY``; every node verifies it against
   ``TLS_CA``. With ``MTLS=1`` the server also requires a client certificate signed by that CA
-  (each node presents its own ``TLS_CERT``/``TLS_KEY``).
-- ``lsgd certs`` creates a CA, one certificate per node (valid for server and client use) and a
-  secret, all readable only by their owner.
+  (each node presents its own ``TLS_CERT``/``TLS_KEY``), and checks on every call that the
+  certificate names the node the call is for (PERMISSION_DENIED otherwise).
+- ``lsgd certs`` creates a CA, one certificate per node (valid for server and client use,
+  naming the node's index as SAN URI ``lsgd://node/<i>``) and a secret, all readable only by
+  their owner.
 
 A global server that listens on anything but loopback refuses to start without a secret unless
 ``ALLOW_INSECURE=1`` (config check in ``lsgd.config``).
@@ -16,17 +19,21 @@ A global server that listens on anything but loopback refuses to start without a
 from __future__ import annotations
 
 import datetime
-import hmac
 import ipaddress
 import os
+import re
 import secrets
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import grpc
 
-SECRET_KEY = "x-lsgd-secret"  # gRPC metadata key
+from .signing import SIGNATURE_KEY, Signer, Verifier
+
+NODE_URI = "lsgd://node/{}"  # SAN URI naming a node's index in its certificate
+_NODE_URI = re.compile(r"lsgd://node/(\d{1,9})")
 SECRET_ENV = "LSGD_SECRET"
 MIN_SECRET = 16  # characters
 
@@ -105,7 +112,12 @@ class Security:
 
     @property
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return ((SECRET_KEY, self.secret),) if self.secret else ()
+        """Metadata for every call: none, the secret never travels (the channel signs calls)."""
+        return ()
+
+    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+        """The checks every call to the global server passes (``CallCheck``)."""
+        return [CallCheck(self.secret, check_nodes=self.mtls and self.cert is not None)]
 
     def server_credentials(self) -> grpc.ServerCredentials | None:
         if self.cert is None or self.key is None:
@@ -115,40 +127,114 @@ class Security:
                                            require_client_auth=self.mtls)
 
     def channel(self, address: str, options: Sequence[tuple[str, object]]) -> grpc.Channel:
+        """A channel to the global server: TLS with a CA, every call signed with a secret."""
         if self.ca is None:
-            return grpc.insecure_channel(address, options=list(options))
-        pair = (self.key, self.cert) if self.mtls else (None, None)
-        creds = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=pair[0],
-                                             certificate_chain=pair[1])
-        return grpc.secure_channel(address, creds, options=list(options))
+            channel = grpc.insecure_channel(address, options=list(options))
+        else:
+            pair = (self.key, self.cert) if self.mtls else (None, None)
+            creds = grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=pair[0],
+                                                 certificate_chain=pair[1])
+            channel = grpc.secure_channel(address, creds, options=list(options))
+        return grpc.intercept_channel(channel, Signer(self.secret)) if self.secret else channel
 
 
-class SecretCheck(grpc.ServerInterceptor):
-    """Refuses every call whose metadata lacks the job secret (UNAUTHENTICATED)."""
+class CallCheck(grpc.ServerInterceptor):
+    """Refuses calls before any handler runs, so a refusal changes no state.
 
-    def __init__(self, secret: str | None) -> None:
-        self._secret = secret.encode() if secret else None
+    - With a secret: a call whose signature (``lsgd.signing``) is missing, wrong, stale or
+      replayed gets UNAUTHENTICATED.
+    - With mutual TLS (``check_nodes``): a call whose ``NodeId.node_index`` is not a node that
+      the client certificate names (SAN URI ``lsgd://node/<i>``) gets PERMISSION_DENIED, so
+      one node's certificate cannot join or act as another node.
+
+    Both look at the request as received: its bytes (signature) and its ``node`` (for an
+    upload, the header's); a stream is checked when its handler reads the first message.
+    """
+
+    def __init__(self, secret: str | None, check_nodes: bool = False,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.verifier = Verifier(secret, clock) if secret else None
+        self.check_nodes = check_nodes
 
     def intercept_service(self, continuation, details):  # noqa: ANN001 - grpc API
         handler = continuation(details)
-        if self._secret is None or handler is None:
+        if handler is None or (self.verifier is None and not self.check_nodes):
             return handler
-        given = next((v for k, v in details.invocation_metadata or () if k == SECRET_KEY), "")
-        given = given.encode() if isinstance(given, str) else given
-        if hmac.compare_digest(given, self._secret):
-            return handler
+        method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        signature = next((v for k, v in details.invocation_metadata or () if k == SIGNATURE_KEY),
+                         None)
+        raw: list[bytes] = []  # the first request message's bytes, as received
+        deserialize = handler.request_deserializer
 
-        def deny(request, context):  # noqa: ANN001 - grpc API
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "wrong or missing job secret (SECRET_FILE or LSGD_SECRET must match node 0's)")
+        def capture(data: bytes) -> object:
+            if not raw:
+                raw.append(data)
+            return deserialize(data) if deserialize else data
 
-        if handler.request_streaming and handler.response_streaming:
-            return grpc.stream_stream_rpc_method_handler(deny)
-        if handler.request_streaming:
-            return grpc.stream_unary_rpc_method_handler(deny)
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(deny)
-        return grpc.unary_unary_rpc_method_handler(deny)
+        def check(request: object, context: grpc.ServicerContext) -> None:
+            if self.verifier is not None:
+                why = self.verifier.check(signature, method, raw[0] if raw else b"")
+                if why:
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            if self.check_nodes:
+                why = _wrong_node(request, context.auth_context())
+                if why:
+                    context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+
+        if not handler.request_streaming:
+            inner = handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+            def unary(request, context):  # noqa: ANN001 - grpc API
+                check(request, context)
+                return inner(request, context)
+
+            kind = "unary_stream" if handler.response_streaming else "unary_unary"
+            return handler._replace(request_deserializer=capture, **{kind: unary})
+        inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
+
+        def stream(requests, context):  # noqa: ANN001 - grpc API
+            def checked() -> Iterator[object]:  # checked when the handler reads the header
+                first = next(requests, None)
+                check(first, context)
+                if first is not None:
+                    yield first
+                    yield from requests
+
+            return inner(checked(), context)
+
+        kind = "stream_stream" if handler.response_streaming else "stream_unary"
+        return handler._replace(request_deserializer=capture, **{kind: stream})
+
+
+def cert_nodes(auth_context: Mapping[str, Sequence[bytes]]) -> set[int]:
+    """The node indices a verified client certificate names (SAN URIs ``lsgd://node/<i>``)."""
+    names = auth_context.get("peer_uri") or auth_context.get("x509_subject_alternative_name") or ()
+    found = set()
+    for name in names:
+        m = _NODE_URI.fullmatch(name.decode("ascii", "replace") if isinstance(name, bytes) else name)
+        if m:
+            found.add(int(m.group(1)))
+    return found
+
+
+def _wrong_node(request: object, auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
+    """Why ``request`` may not come from the peer with this certificate (None: it may)."""
+    holder = request
+    if holder is not None and hasattr(holder, "header"):  # an upload: the header names the node
+        holder = holder.header if holder.HasField("header") else None
+    node = getattr(holder, "node", None)
+    if node is None:
+        return None  # names no node; the handler refuses it
+    names = cert_nodes(auth_context)
+    if node.node_index in names:
+        return None
+    if not names:
+        return ("the client certificate names no lsgd node (SAN URI lsgd://node/<i>): make the "
+                "nodes' certificates with `lsgd certs`, or add that URI to each")
+    mine = ", ".join(str(i) for i in sorted(names))
+    return (f"this client certificate is node {mine}'s, but the call is for node "
+            f"{node.node_index}: each node presents its own node<i>.pem (TLS_CERT, TLS_KEY) and "
+            "runs as that index")
 
 
 # ------------------------------------------------------------------ certificates
@@ -205,7 +291,8 @@ def make_certs(out: str | Path, hosts: Sequence[str], days: int = 365) -> list[P
     write("ca-key.pem", pem_key(ca_key))
     for i, host in enumerate(hosts):
         names: list[x509.GeneralName] = [x509.DNSName("localhost"),
-                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                                         x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                                         x509.UniformResourceIdentifier(NODE_URI.format(i))]
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(host)))
         except ValueError:

@@ -125,7 +125,89 @@ def test_mutual_tls_requires_a_client_certificate_from_the_job_ca(secure_server,
         with pytest.raises(GlobalUnreachable, match="MTLS"):
             _join(sec, addr)
     assert not servicer.coord.nodes
-    assert _join(_sec(certs[0], node=1, mtls=True), addr).session > 0
+    assert _join(_sec(certs[0], node=1, mtls=True), addr, node=1).session > 0
+
+
+def test_each_node_certificate_names_its_node_index(certs):
+    from cryptography import x509
+
+    for i in (0, 1):
+        cert = x509.load_pem_x509_certificate((certs[0] / f"node{i}.pem").read_bytes())
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert san.get_values_for_type(x509.UniformResourceIdentifier) == [f"lsgd://node/{i}"]
+
+
+def _client(security, addr, node, session=0):
+    c = GlobalClient(addr, "job", node, round_timeout=2.0, security=security)
+    c.session = session
+    return c
+
+
+def _refused(call, code=grpc.StatusCode.PERMISSION_DENIED):
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == code, e.value.details()
+    return e.value.details()
+
+
+def test_mutual_tls_a_node_certificate_cannot_join_or_act_as_another_node(secure_server, certs):
+    servicer, addr = secure_server(mtls=True)
+    node1_cert = _sec(certs[0], node=1, mtls=True)
+    # node 1's certificate joining as node 0: refused, nothing changes
+    details = _refused(lambda: _join(node1_cert, addr, node=0))
+    assert "node 1's" in details and "for node 0" in details
+    assert not servicer.coord.nodes and servicer.params.param_count is None
+    # node 0 joins with its own certificate (node 0's is also the server's)
+    session0 = _join(_sec(certs[0], node=0, mtls=True), addr, node=0).session
+    before = servicer.coord.snapshot()
+    # node 1's certificate, even knowing node 0's session, cannot speak for node 0
+    c = _client(node1_cert, addr, node=0, session=session0)
+    try:
+        for call in (c.heartbeat,
+                     lambda: c.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0,
+                                       max_wait=0.0),
+                     lambda: c.report_round(1, None, 1),
+                     lambda: c.push("sum", np.ones(4, np.float32), round_id=1, summands=1),
+                     lambda: c.pull("center", np.zeros(4, np.float32), round_id=0),
+                     lambda: c.leave(0, 0)):
+            _refused(call)
+    finally:
+        c.close()
+    assert servicer.coord.snapshot() == before
+    assert servicer.coord.nodes[0].session == session0 and not servicer.coord.nodes[0].left
+    assert not servicer.params.buffers["sum"].any()
+    assert _join(node1_cert, addr, node=1).session > 0  # as itself it joins
+
+
+def test_mutual_tls_a_certificate_that_names_no_node_is_refused(secure_server, certs, tmp_path):
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    d = certs[0]
+    ca = x509.load_pem_x509_certificate((d / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((d / "ca-key.pem").read_bytes(), None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "lsgd node 0")]))
+            .issuer_name(ca.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    plain = Security(secret=_sec(d).secret, ca=ca.public_bytes(serialization.Encoding.PEM),
+                     cert=cert.public_bytes(serialization.Encoding.PEM), mtls=True,
+                     key=key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    servicer, addr = secure_server(mtls=True)
+    assert "names no lsgd node" in _refused(lambda: _join(plain, addr, node=0))
+    assert not servicer.coord.nodes
 
 
 def test_listening_beyond_loopback_needs_a_secret_or_an_explicit_opt_out(tmp_path, monkeypatch):
@@ -159,6 +241,10 @@ def test_a_job_over_mutual_tls_with_a_secret(cluster, certs, tmp_path):
                   **(knobs | {"SECRET_FILE": tmp_path / "wrong"}))
     assert bad.wait(60) == 1
     assert "UNAUTHENTICATED" in bad.output and "job secret" in bad.output
+    # a node that presents node 0's certificate cannot join as node 1
+    bad = cluster(1, PORT=port, TLS_CERT=d / "node0.pem", TLS_KEY=d / "node0-key.pem", **knobs)
+    assert bad.wait(60) == 1
+    assert "PERMISSION_DENIED" in bad.output and "node 0's" in bad.output
     n1 = cluster(1, PORT=port, TLS_CERT=d / "node1.pem", TLS_KEY=d / "node1-key.pem", **knobs)
     assert n0.wait(90) == 0, n0.output
     assert n1.wait(30) == 0, n1.output

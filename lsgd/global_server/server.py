@@ -21,7 +21,7 @@ import grpc
 from ..config import JobConfig
 from ..files import private_dir, write_atomic
 from ..proto import lsgd_pb2_grpc as pb_grpc
-from ..security import SecretCheck, Security, is_loopback
+from ..security import Security, is_loopback
 from ..wire import GRPC_OPTIONS
 from .coordinator import Coordinator, Schedule
 from .params import ParamStore
@@ -56,14 +56,15 @@ def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64,
                   security: Security | None = None) -> tuple[grpc.Server, int]:
     """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port).
 
-    With ``security``, calls must carry its secret and the port speaks TLS when it has a
+    With ``security``, calls must be signed with its secret (and, under mutual TLS, come from
+    the node their certificate names), and the port speaks TLS when it has a
     certificate. The call counts are in ``servicer.calls.counts``.
     """
     security = security or Security()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
                                                     thread_name_prefix="lsgd-global"),
                          options=SERVER_OPTIONS,
-                         interceptors=[SecretCheck(security.secret), servicer.calls])
+                         interceptors=[*security.server_interceptors(), servicer.calls])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
     creds = security.server_credentials()
     try:

@@ -72,7 +72,7 @@ class GlobalClient:
         self._seq = 0  # credit requests (and reattaching joins) numbered per session
         self._join_seq = 0  # the number of a reattach not answered yet
         security = security or Security()
-        self._md = security.metadata  # the job secret, on every call
+        self._md = security.metadata  # none: the channel signs every call with the job secret
         self._channel = security.channel(address, CHANNEL_OPTIONS)
         self._stub = pb_grpc.GlobalServerStub(self._channel)
 
