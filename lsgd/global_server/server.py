@@ -23,6 +23,7 @@ from ..files import private_dir, write_atomic
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import SecretCheck, Security, is_loopback
 from ..wire import GRPC_OPTIONS
+from .admission import Admission, Limits
 from .coordinator import Coordinator, Schedule
 from .params import ParamStore
 from .servicer import GlobalServicer
@@ -52,18 +53,24 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
     return GlobalServicer(coord, ParamStore(rule), config.round_timeout)
 
 
-def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64,
-                  security: Security | None = None) -> tuple[grpc.Server, int]:
+def create_server(address: str, servicer: GlobalServicer, security: Security | None = None,
+                  limits: Limits | None = None) -> tuple[grpc.Server, int]:
     """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port).
 
     With ``security``, calls must carry its secret and the port speaks TLS when it has a
-    certificate. The call counts are in ``servicer.calls.counts``.
+    certificate. ``limits`` caps parameter streams and long-polls (default: sized from the
+    servicer's job, ``Limits.for_job``); the thread pool has ``limits.threads`` threads, of which
+    parameter streams never take more than ``limits.streams``. The call counts are in
+    ``servicer.calls.counts``, refusals and cancellations in ``servicer.admission``.
     """
     security = security or Security()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+    limits = limits or Limits.for_job(servicer.coord.num_groups, servicer.round_timeout)
+    servicer.admission = Admission(limits)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads,
                                                     thread_name_prefix="lsgd-global"),
                          options=SERVER_OPTIONS,
-                         interceptors=[SecretCheck(security.secret), servicer.calls])
+                         interceptors=[SecretCheck(security.secret), servicer.calls,
+                                       servicer.admission])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
     creds = security.server_credentials()
     try:
@@ -114,9 +121,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
             return 1
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
-        server, port = create_server(f"{bind}:{config.port}", servicer,
-                                     max_workers=max(32, 4 * config.num_groups + 16),
-                                     security=security)
+        server, port = create_server(f"{bind}:{config.port}", servicer, security=security)
     except OSError as exc:
         if ready is not None:
             ready.send(("error", str(exc)))
@@ -154,6 +159,8 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         with servicer.cond:
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "calls": dict(servicer.calls.counts),
+                                          "refused": dict(servicer.admission.refused),
+                                          "cancelled": dict(servicer.admission.cancelled),
                                           "seconds": round(time.monotonic() - t0, 3)}
         write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
         log.info("global server stopped: counter %d, %d rounds, %s", coord.done,
