@@ -140,7 +140,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         while not stop.wait(0.1):
             servicer.tick()
             if servicer.checkpoint_due is not None:
-                _checkpoint(servicer, ckpt_file, ckpt_params, config.round_timeout)
+                _checkpoint(servicer, ckpt_file, ckpt_params, config.round_timeout, params_file)
             if time.monotonic() >= next_save:
                 saved_state = _save(servicer, state_file, params_file, saved_state)
                 next_save = time.monotonic() + config.state_every
@@ -180,7 +180,7 @@ def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: d
 
 
 def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path,
-                round_timeout: float) -> None:
+                round_timeout: float, fallback: Path | None = None) -> None:
     """The server's part of a checkpoint: its state at the checkpoint round, and the leader and
     center once that round's exchange has settled (the nodes save theirs after it too). Called
     by the server loop until it is done (or the round is long past)."""
@@ -191,8 +191,10 @@ def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path,
         late = servicer.clock() - servicer.checkpoint_since > round_timeout + 5
     if not settled and not late:
         return  # next pass of the loop
-    if not servicer.params.save(params_file, force=True) and not late:
-        return  # an upload is in flight
+    if servicer.params.writing and not late:
+        return  # an upload is in flight: the round's values may still be whole a moment later
+    # a vector still being written when the round is long past comes from the newest state save
+    servicer.params.save(params_file, force=True, fallback=fallback)
     write_atomic(state_file, json.dumps(state | {"round": rid}))
     with servicer.cond:
         servicer.checkpoint_due = None
