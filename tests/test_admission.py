@@ -221,6 +221,9 @@ def test_streams_are_capped_per_session_with_a_clear_status(small):
             stub.PushParams(seed_then_wait(), timeout=10, metadata=MD)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "node 0 already has 2 parameter streams open" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # downloads count too
+            c.pull("center", np.zeros(8, np.float32), round_id=0)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         other = _client(port, 1)
         _join(other, params=8)  # another node is not held back by node 0's cap
         out = np.zeros(8, np.float32)
@@ -232,7 +235,7 @@ def test_streams_are_capped_per_session_with_a_clear_status(small):
     finally:
         release.set()
         channel.close()
-    assert servicer.admission.refused["session"] == 1
+    assert servicer.admission.refused["session"] == 2
 
 
 class _Aborted(Exception):
