@@ -23,6 +23,7 @@ from ..files import private_dir, write_atomic
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import Security, is_loopback
 from ..wire import GRPC_OPTIONS
+from .admission import Admission, Limits
 from .coordinator import Coordinator, Schedule
 from .params import ParamStore
 from .servicer import GlobalServicer
@@ -52,19 +53,25 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
     return GlobalServicer(coord, ParamStore(rule), config.round_timeout)
 
 
-def create_server(address: str, servicer: GlobalServicer, max_workers: int = 64,
-                  security: Security | None = None) -> tuple[grpc.Server, int]:
+def create_server(address: str, servicer: GlobalServicer, security: Security | None = None,
+                  limits: Limits | None = None) -> tuple[grpc.Server, int]:
     """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port).
 
     With ``security``, calls must be signed with its secret (and, under mutual TLS, come from
-    the node their certificate names), and the port speaks TLS when it has a
-    certificate. The call counts are in ``servicer.calls.counts``.
+    the node their certificate names), and the port speaks TLS when it has a certificate.
+    ``limits`` caps parameter streams and long-polls (default: sized from the servicer's job,
+    ``Limits.for_job``); the thread pool has ``limits.threads`` threads, of which parameter
+    streams never take more than ``limits.streams``. The call counts are in
+    ``servicer.calls.counts``, refusals and cancellations in ``servicer.admission``.
     """
     security = security or Security()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers,
+    limits = limits or Limits.for_job(servicer.coord.num_groups, servicer.round_timeout)
+    servicer.admission = Admission(limits)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads,
                                                     thread_name_prefix="lsgd-global"),
                          options=SERVER_OPTIONS,
-                         interceptors=[*security.server_interceptors(), servicer.calls])
+                         interceptors=[*security.server_interceptors(), servicer.calls,
+                                       servicer.admission])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
     creds = security.server_credentials()
     try:
@@ -115,9 +122,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
             return 1
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
-        server, port = create_server(f"{bind}:{config.port}", servicer,
-                                     max_workers=max(32, 4 * config.num_groups + 16),
-                                     security=security)
+        server, port = create_server(f"{bind}:{config.port}", servicer, security=security)
     except OSError as exc:
         if ready is not None:
             ready.send(("error", str(exc)))
@@ -136,7 +141,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         while not stop.wait(0.1):
             servicer.tick()
             if servicer.checkpoint_due is not None:
-                _checkpoint(servicer, ckpt_file, ckpt_params, config.round_timeout)
+                _checkpoint(servicer, ckpt_file, ckpt_params, config.round_timeout, params_file)
             if time.monotonic() >= next_save:
                 saved_state = _save(servicer, state_file, params_file, saved_state)
                 next_save = time.monotonic() + config.state_every
@@ -155,6 +160,8 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         with servicer.cond:
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "calls": dict(servicer.calls.counts),
+                                          "refused": dict(servicer.admission.refused),
+                                          "cancelled": dict(servicer.admission.cancelled),
                                           "seconds": round(time.monotonic() - t0, 3)}
         write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
         log.info("global server stopped: counter %d, %d rounds, %s", coord.done,
@@ -174,7 +181,7 @@ def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: d
 
 
 def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path,
-                round_timeout: float) -> None:
+                round_timeout: float, fallback: Path | None = None) -> None:
     """The server's part of a checkpoint: its state at the checkpoint round, and the leader and
     center once that round's exchange has settled (the nodes save theirs after it too). Called
     by the server loop until it is done (or the round is long past)."""
@@ -185,8 +192,10 @@ def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path,
         late = servicer.clock() - servicer.checkpoint_since > round_timeout + 5
     if not settled and not late:
         return  # next pass of the loop
-    if not servicer.params.save(params_file, force=True) and not late:
-        return  # an upload is in flight
+    if servicer.params.writing and not late:
+        return  # an upload is in flight: the round's values may still be whole a moment later
+    # a vector still being written when the round is long past comes from the newest state save
+    servicer.params.save(params_file, force=True, fallback=fallback)
     write_atomic(state_file, json.dumps(state | {"round": rid}))
     with servicer.cond:
         servicer.checkpoint_due = None

@@ -68,6 +68,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.closed = threading.Condition(lock)  # a global/final round closed: ReportRound waits
         self._exchanged = 0  # newest round whose parameter exchange was started
         self.calls = CallCounter()
+        self.admission = None  # the server's Admission (caps on streams and polls), once serving
 
     # ------------------------------------------------------------------ shared
     def tick(self) -> None:
