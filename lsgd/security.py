@@ -193,6 +193,9 @@ class CallCheck(grpc.ServerInterceptor):
         inner = handler.stream_stream if handler.response_streaming else handler.stream_unary
 
         def stream(requests, context):  # noqa: ANN001 - grpc API
+            if self.verifier is not None and signature is None:  # no need to wait for a header
+                context.abort(grpc.StatusCode.UNAUTHENTICATED, self.verifier.check(None, method, b""))
+
             def checked() -> Iterator[object]:  # checked when the handler reads the header
                 first = next(requests, None)
                 check(first, context)

@@ -19,11 +19,18 @@ from lsgd.global_server.server import build_servicer, create_server, serve
 from lsgd.local_server.global_client import GlobalClient
 from lsgd.proto import lsgd_pb2 as pb
 from lsgd.proto import lsgd_pb2_grpc as pb_grpc
-from lsgd.security import SECRET_KEY, Security
+from lsgd.security import Security
+from lsgd.signing import SIGNATURE_KEY, derive_key, sign
 
 SECRET = "admission-test-secret-0123456789"
-MD = ((SECRET_KEY, SECRET),)
 SEC = Security(secret=SECRET)
+PUSH = "/lsgd.v1.GlobalServer/PushParams"
+
+
+def _signed_empty_stream() -> tuple:
+    """The metadata a holder of the secret sends with an upload that never sends its header:
+    a genuine signature (over no header, as ``Signer`` makes for an empty stream)."""
+    return ((SIGNATURE_KEY, sign(derive_key(SECRET), PUSH, b"")),)
 
 
 class _Ready:
@@ -94,7 +101,7 @@ def test_fifty_idle_uploads_cannot_starve_heartbeats_or_credits(tmp_path):
         channels = [grpc.insecure_channel(f"127.0.0.1:{ready.port}") for _ in range(5)]
         opened = time.monotonic()
         calls = [pb_grpc.GlobalServerStub(channels[k % 5]).PushParams.future(
-            _nothing(release), timeout=60, metadata=MD) for k in range(50)]
+            _nothing(release), timeout=60, metadata=_signed_empty_stream()) for k in range(50)]
         bound = limits.header_wait + 2.0  # the header bound, the watchdog's tick, a loaded CPU
         codes = []
         for call in calls:
@@ -161,11 +168,11 @@ def test_an_upload_that_stalls_mid_way_is_cancelled_and_the_next_one_seeds(small
         yield _chunk(0, np.ones(4, np.float32))
         release.wait(30)
 
-    stub = pb_grpc.GlobalServerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    stub = pb_grpc.GlobalServerStub(SEC.channel(f"127.0.0.1:{port}", []))
     t0 = time.monotonic()
     try:
         with pytest.raises(grpc.RpcError) as e:
-            stub.PushParams(stalls(), timeout=30, metadata=MD)
+            stub.PushParams(stalls(), timeout=30)
         assert e.value.code() == grpc.StatusCode.CANCELLED
         assert 0.9 < time.monotonic() - t0 < limits.idle + 1.5
     finally:
@@ -185,10 +192,10 @@ def test_a_download_nobody_reads_is_cancelled(small):
     c = _client(port, 0)
     _join(c, params=n)
     c.push("center", np.ones(n, np.float32), round_id=0)
-    stub = pb_grpc.GlobalServerStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    stub = pb_grpc.GlobalServerStub(SEC.channel(f"127.0.0.1:{port}", []))
     stream = stub.PullParams(pb.PullParamsRequest(
         node=pb.NodeId(job_id="job", node_index=0, session=c.session), round_id=0,
-        buffer=pb.BUFFER_KIND_CENTER, chunk_elements=1 << 16), timeout=30, metadata=MD)
+        buffer=pb.BUFFER_KIND_CENTER, chunk_elements=1 << 16), timeout=30)
     next(stream)  # then never read again
     end = time.monotonic() + limits.idle + 3.0
     while not servicer.admission.cancelled["idle"] and time.monotonic() < end:
@@ -210,15 +217,15 @@ def test_streams_are_capped_per_session_with_a_clear_status(small):
         yield _header(c, 8)
         release.wait(30)
 
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    channel = SEC.channel(f"127.0.0.1:{port}", [])
     stub = pb_grpc.GlobalServerStub(channel)
     try:
         # two seeds of node 0 in progress: one receiving, one waiting for it
-        held = [stub.PushParams.future(seed_then_wait(), timeout=10, metadata=MD)
+        held = [stub.PushParams.future(seed_then_wait(), timeout=10)
                 for _ in range(limits.streams_per_session)]
         time.sleep(0.3)
         with pytest.raises(grpc.RpcError) as e:
-            stub.PushParams(seed_then_wait(), timeout=10, metadata=MD)
+            stub.PushParams(seed_then_wait(), timeout=10)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "node 0 already has 2 parameter streams open" in e.value.details()
         with pytest.raises(grpc.RpcError) as e:  # downloads count too
