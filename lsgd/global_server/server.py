@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from ..config import JobConfig
-from ..files import private_dir, write_atomic
+from ..files import open_private, private_dir, write_atomic
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import SecretCheck, Security, is_loopback
 from ..wire import GRPC_OPTIONS
@@ -100,18 +100,22 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     private_dir(out)
     state_file, params_file = out / "state.json", out / "params.npz"
     ckpt_file, ckpt_params = out / "checkpoint.json", out / "checkpoint.npz"
+    journal = out / "journal.json"
+    if not restore:
+        journal.unlink(missing_ok=True)  # of an earlier run in this RUN_DIR
     if restore or resume:
         try:
             if resume:
                 _restore(servicer, ckpt_file, ckpt_params, membership=False)
             else:
-                _restore(servicer, state_file, params_file)
+                _restore(servicer, state_file, params_file, journal=journal)
         except (OSError, ValueError, KeyError, IndexError) as exc:
             msg = f"cannot restore the global server's state from {out}: {exc}"
             if ready is not None:
                 ready.send(("error", msg))
             log.error("%s", msg)
             return 1
+    servicer.journal = lambda state: _journal(journal, state)
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
         server, port = create_server(f"{bind}:{config.port}", servicer,
@@ -164,8 +168,8 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
 def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: dict | None) -> dict:
     """Save the coordinator's state (if it changed) and the leader/center (if they changed)."""
     with servicer.cond:
-        state = servicer.coord.state(servicer.clock())
-    comparable = state | {"elapsed": None}
+        state = servicer.state_dump()
+    comparable = state | {"elapsed": None, "dump": None}
     if comparable != last:
         write_atomic(state_file, json.dumps(state))
     servicer.params.save(params_file)
@@ -192,10 +196,32 @@ def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path,
     log.info("checkpoint at round %d (counter %d)", rid, state["done"])
 
 
+_journal_failed = False
+
+
+def _journal(path: Path, state: dict) -> None:
+    """Write the state at once (lock held): a temporary file renamed over ``path``, without
+    fsync (it guards against a crash of this process, which is what a restart recovers from;
+    a crash of the machine loses the job's node 0 anyway)."""
+    global _journal_failed
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open_private(tmp, "w") as f:
+            f.write(json.dumps(state))
+        os.replace(tmp, path)
+    except OSError as exc:
+        if not _journal_failed:
+            log.warning("cannot write %s (%s): a restart may repeat round ids", path, exc)
+        _journal_failed = True
+
+
 def _restore(servicer: GlobalServicer, state_file: Path, params_file: Path,
-             membership: bool = True) -> None:
-    state = json.loads(state_file.read_text())
+             membership: bool = True, journal: Path | None = None) -> None:
+    saved = [json.loads(p.read_text()) for p in (state_file, journal)
+             if p is not None and p.exists()] or [json.loads(state_file.read_text())]
+    state = max(saved, key=lambda s: int(s.get("dump", 0)))  # the newest
     with servicer.cond:
+        servicer.dumps = int(state.get("dump", 0))
         servicer.coord.restore(state, servicer.clock(), membership=membership)
     if params_file.exists():
         servicer.params.load(params_file)
