@@ -71,8 +71,6 @@ def reattach(index: int, held: int, counted: int, outstanding: int, spare: int, 
 
 def check_seq(index: int, seq: int, last: int, *, ahead: int) -> None:
     """A request number must not run more than ``ahead`` past the newest one (``last``)."""
-    if seq >= MAX_SEQ:
-        raise ClaimError(f"request number {seq} of node {index} is out of range")
-    if ahead and seq > last + ahead:
+    if seq >= MAX_SEQ or (ahead and seq > last + ahead):
         raise ClaimError(f"request {seq} of node {index} is ahead of the expected "
                          f"{last + 1}; number requests 1, 2, ... per session")

@@ -236,5 +236,20 @@ def process_main(config: JobConfig, conn: object, log_level: int,
 
     logging.basicConfig(level=log_level, format="%(asctime)s global %(levelname)s %(message)s")
     # a restart during a resumed job goes on from the newest state, not the checkpoint again
-    sys.exit(serve(config, ready=conn, security=security, restore=restore,
-                   resume=config.resume and not restore))
+    try:
+        code = serve(config, ready=conn, security=security, restore=restore,
+                     resume=config.resume and not restore)
+    except Exception as exc:  # a bug or a full disk: node 0's supervisor restarts the server
+        log.exception("global server failed")
+        _tell(conn, ("crashed", f"{type(exc).__name__}: {exc}"))
+        sys.exit(1)
+    _tell(conn, ("ended", code))  # its own decision (job over, stopped): not restarted
+    sys.exit(code)
+
+
+def _tell(conn: object, message: tuple) -> None:
+    """Tell node 0 (the ready pipe) how this process ends; it may be gone already."""
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        pass

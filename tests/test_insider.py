@@ -1,0 +1,400 @@
+"""A buggy or hostile node holding the secret: every count bounded, every refusal changes nothing
+(issue 9, items 12, 13, 15, 16 and the resume part of 17). Servers on 127.0.0.1 port 0, driven by
+a client that speaks the protocol directly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections import deque
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+
+from lsgd import cli
+from lsgd.config import JobConfig
+from lsgd.global_server.coordinator import Coordinator, CoordinatorError, Schedule
+from lsgd.global_server.server import build_servicer, create_server
+from lsgd.local_server.global_client import GlobalClient
+from lsgd.local_server.recovery import RecoveryMixin
+from lsgd.local_server.state import NodeError, Report
+from lsgd.proto import lsgd_pb2 as pb
+from lsgd.proto import lsgd_pb2_grpc as pb_grpc
+from lsgd.rules.base import RoundKind
+
+U64_MAX = 2**64 - 1
+
+
+def _state(servicer) -> str:
+    """Counter, rounds, membership, outstanding credits, param count and buffers."""
+    c = servicer.coord
+    with servicer.cond:
+        state = c.state(0.0) | {"outstanding": {i: n.outstanding for i, n in c.nodes.items()},
+                                "alive": {i: n.alive for i, n in c.nodes.items()},
+                                "round": (c.round.id, c.round.closed) if c.round else None,
+                                "params": servicer.params.param_count}
+        bufs = b"".join(np.ascontiguousarray(b).tobytes() for b in servicer.params.buffers.values())
+    return json.dumps(state, sort_keys=True, default=str) + hashlib.sha1(bufs).hexdigest()
+
+
+@pytest.fixture
+def server():
+    config = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="easgd", alpha=0.1,
+                       l_comm=4, g_comm=4)
+    servicer = build_servicer(config)
+    srv, port = create_server("127.0.0.1:0", servicer)
+    yield servicer, f"127.0.0.1:{port}"
+    srv.stop(grace=0.5).wait(5)
+
+
+def client(address, node=0):
+    return GlobalClient(address, "job", node, round_timeout=5.0)
+
+
+def join(c, params=10, timeout=5.0, **kw):
+    return c.join(workers=2, param_count=params, algorithm="easgd", num_groups=2,
+                  connect_timeout=timeout, **kw)
+
+
+def refused(servicer, call, code, *words):
+    """``call`` fails with ``code`` (and a message naming ``words``) and changes nothing."""
+    before = _state(servicer)
+    with pytest.raises(grpc.RpcError) as e:
+        call()
+    assert e.value.code() == code, e.value.details()
+    for w in words:
+        assert w in e.value.details(), e.value.details()
+    assert _state(servicer) == before
+    return e.value.details()
+
+
+def raw_stub(address):
+    return pb_grpc.GlobalServerStub(grpc.insecure_channel(address))
+
+
+# ---------------------------------------------------------------------- item 13: model size
+def test_a_model_beyond_the_servers_memory_is_refused_before_anything_changes(server):
+    servicer, addr = server
+    a = client(addr, 0)
+    msg = refused(servicer, lambda: join(a, params=10**12), grpc.StatusCode.RESOURCE_EXHAUSTED,
+                  "1000000000000 parameters", "needs 12.0 TB", "available")
+    assert servicer.params.param_count is None and not servicer.coord.nodes, msg
+    servicer.params.memory = lambda: 1000  # a small machine: 3 x 4 x 100 bytes do not fit
+    refused(servicer, lambda: join(a, params=100), grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "needs 1.2 kB", "1.0 kB is available")
+    servicer.params.memory = lambda: None
+    assert join(a, params=10).session and servicer.params.param_count == 10
+    servicer._journaled = None  # the state is saved without error (it crashed the server)
+    json.dumps(servicer.state_dump())
+
+
+def test_node_0_decides_the_model_size(server):
+    servicer, addr = server
+    stub = raw_stub(addr)
+    early = pb.JoinRequest(node=pb.NodeId(job_id="job", node_index=1), num_workers=2,
+                           param_count=10**8, algorithm="easgd", num_groups=2)
+    refused(servicer, lambda: stub.Join(early, timeout=5), grpc.StatusCode.UNAVAILABLE,
+            "waiting for node 0")
+    assert servicer.params.param_count is None and not servicer.coord.nodes
+    join(client(addr, 0), params=10)
+    assert servicer.params.param_count == 10
+    refused(servicer, lambda: stub.Join(early, timeout=5), grpc.StatusCode.FAILED_PRECONDITION,
+            "same model")
+
+
+def test_a_node_ready_before_node_0_waits_for_it_and_joins(server):
+    """A normal 2-node start where node 1's workers are ready first: its client retries."""
+    servicer, addr = server
+    got = {}
+    t = threading.Thread(target=lambda: got.update(r=join(client(addr, 1), params=10, timeout=20)))
+    t.start()
+    time.sleep(0.6)
+    assert not servicer.coord.nodes  # node 1 is still waiting
+    join(client(addr, 0), params=10)
+    t.join(15)
+    assert got["r"].session and sorted(servicer.coord.nodes) == [0, 1]
+
+
+class _Proc:
+    def __init__(self, exitcode):
+        self.exitcode, self.pid = exitcode, 1
+
+
+def _supervise(monkeypatch, first_code, word, restarted_code=None):
+    """Run a _Supervisor over a process that ended with ``first_code`` after saying ``word``."""
+    import multiprocessing as mp
+
+    starts = []
+
+    def start(config, level, security, restore=False):
+        r, w = mp.Pipe(duplex=False)
+        if restarted_code is not None:
+            w.send(("crashed", "OSError: disk full"))
+        starts.append(restore)
+        return _Proc(restarted_code), r
+
+    monkeypatch.setattr(cli, "_start_global", start)
+    monkeypatch.setattr(cli, "_await_global", lambda proc, ready: 1)
+    monkeypatch.setattr(cli._Supervisor, "MAX_RESTARTS", 2)
+    r, w = mp.Pipe(duplex=False)
+    if word is not None:
+        w.send(word)
+    sup = cli._Supervisor(JobConfig(), logging.INFO, None, _Proc(first_code), r)
+    sup.start()
+    time.sleep(1.5)
+    sup.stop()
+    return sup, starts
+
+
+def test_the_supervisor_restarts_a_crashed_server_and_says_why(monkeypatch, caplog):
+    caplog.set_level(logging.WARNING)
+    sup, starts = _supervise(monkeypatch, 1, ("crashed", "KeyError: 'global_leader'"),
+                             restarted_code=1)
+    assert starts == [True, True] and sup.restarts == 2  # not only after a signal
+    text = caplog.text
+    assert "global server died (exit code 1); restarting it" in text
+    assert "KeyError: 'global_leader'" in text and "OSError: disk full" in text
+    assert "died 3 times" in sup.fate() and "IP_ADDR" not in sup.fate()
+
+
+def test_the_supervisor_does_not_restart_a_server_that_ended_on_its_own(monkeypatch):
+    sup, starts = _supervise(monkeypatch, 0, ("ended", 0))
+    assert starts == [] and sup.fate() is None
+    sup, starts = _supervise(monkeypatch, 1, ("ended", 1))  # e.g. it could not restore
+    assert starts == [] and "ended with exit code 1" in sup.fate()
+    sup, starts = _supervise(monkeypatch, -signal.SIGKILL, None)
+    assert starts == [True]
+
+
+class _Node(RecoveryMixin):
+    """The parts of a LocalServer that _reattach uses."""
+
+    def __init__(self, client, fate=None):
+        self.cfg = JobConfig(num_groups=2, workers=2, algorithm="easgd", reconnect_timeout=60)
+        self.client, self.global_fate = client, (lambda: fate)
+        self.detached_since, self.next_reattach, self.reattach_delay = time.monotonic(), 0.0, 0.2
+        self.pool, self.workers, self.report, self.unanswered = 0, [], Report(), (0, 0)
+        self.param_count, self.heartbeat = 10, None
+
+    def _live(self):
+        return []
+
+
+def test_node_0_says_its_own_server_died_not_ip_addr():
+    node = _Node(client("127.0.0.1:9", 0), fate="the global server this node started died 6 "
+                 "times (last: exit code 1, its last error: KeyError: 'x')")
+    with pytest.raises(NodeError) as e:
+        node._reattach()
+    assert "KeyError" in str(e.value) and "IP_ADDR" not in str(e.value)
+
+
+# ---------------------------------------------------------------------- item 15: counts
+def test_counts_beyond_what_a_node_can_have_done_are_refused(server):
+    servicer, addr = server
+    a, b = client(addr, 0), client(addr, 1)
+    join(a), join(b)
+    g = a.acquire(consumed=0, late=0, released=0, want=100, last_round_seen=0, max_wait=0).grant
+    assert g > 0
+    stub = raw_stub(addr)
+    nid = pb.NodeId(job_id="job", node_index=0, session=a.session)
+    for fields in (dict(late_consumed=U64_MAX), dict(consumed=U64_MAX), dict(released=U64_MAX),
+                   dict(late_consumed=1), dict(consumed=g, released=1)):
+        req = pb.AcquireCreditsRequest(node=nid, seq=a.last_seq + 1, **fields)
+        refused(servicer, lambda: stub.AcquireCredits(req, timeout=5),
+                grpc.StatusCode.INVALID_ARGUMENT, "node 0")
+    leave = pb.LeaveRequest(node=nid, consumed=0, late_consumed=U64_MAX)
+    refused(servicer, lambda: stub.Leave(leave, timeout=5), grpc.StatusCode.INVALID_ARGUMENT)
+    # a reattach: uncounted steps and held credits bounded by what it held and may do detached
+    for held, unreported in ((0, 10**9), (U64_MAX, 0), (10**6, 0), (0, U64_MAX)):
+        req = pb.JoinRequest(node=nid, num_workers=2, param_count=10, algorithm="easgd",
+                             num_groups=2, resume_session=a.session, held_credits=held,
+                             unreported=unreported, seq=a.last_seq + 1)
+        refused(servicer, lambda: stub.Join(req, timeout=5), grpc.StatusCode.INVALID_ARGUMENT,
+                "node 0")
+    # what it can have done is accepted: its credits, and a detached period of its own
+    period = servicer.coord.schedule.global_period
+    before = servicer.coord.done
+    join(a, resume=True, held=0, unreported=g + period)
+    assert servicer.coord.done == before + g + period
+    a.acquire(consumed=0, late=0, released=0, want=0, last_round_seen=0, max_wait=0)
+
+
+def test_a_detached_node_takes_at_most_one_global_period_of_its_own():
+    from lsgd.local_server import server as ls
+    from lsgd.local_server import messages as m
+
+    cfg = JobConfig(num_groups=2, workers=2, g_comm=4, l_comm=4, algorithm="easgd")
+    node = ls.LocalServer.__new__(ls.LocalServer)
+    node.cfg, node.detached_since, node.share, node.own_credits = cfg, None, 3, 0
+    node.workers = [SimpleNamespace(local=i, gone=False) for i in range(2)]
+    sent = []
+    node._send = lambda w, msg: sent.append(msg.count if isinstance(msg, m.Credits) else msg)
+    node._reattach = lambda: False
+    node._detach("test")
+    node.pending = deque()
+    for _ in range(20):  # the workers keep asking
+        node.pending.extend(i for i in (0, 1) if i not in node.pending)
+        node._serve_pending()
+    assert sum(sent) == 2 * 2 * 4  # NUM_GROUPS*WORKERS*G_COMM, then they wait
+    assert len(node.pending) == 2
+
+
+# ---------------------------------------------------------------------- item 16: sequence
+def test_a_credit_request_numbered_ahead_is_refused_and_cannot_wedge_the_node(server):
+    servicer, addr = server
+    a, b = client(addr, 0), client(addr, 1)
+    join(a), join(b)
+    a.acquire(consumed=0, late=0, released=0, want=100, last_round_seen=0, max_wait=0)
+    stub = raw_stub(addr)
+    nid = pb.NodeId(job_id="job", node_index=0, session=a.session)
+    for seq in (a.last_seq + 2, 10**6, U64_MAX):
+        req = pb.AcquireCreditsRequest(node=nid, seq=seq, want=1)
+        refused(servicer, lambda: stub.AcquireCredits(req, timeout=5),
+                grpc.StatusCode.INVALID_ARGUMENT, f"expected {a.last_seq + 1}")
+    # the real node goes on numbering as before
+    a.acquire(consumed=0, late=0, released=0, want=0, last_round_seen=0, max_wait=0)
+    assert servicer.coord.nodes[0].last_seq == a.last_seq
+
+
+def _coord(seconds=None, **kw):
+    sched = Schedule.for_job(num_groups=1, workers=2, l_comm=100, g_comm=100, local_rounds=False,
+                             max_iterations=kw.pop("iters", None))
+    return Coordinator(job_id="j", algorithm="lsgd", num_groups=1, workers=2, schedule=sched,
+                       max_seconds=seconds, node_timeout=5.0, round_timeout=10.0,
+                       join_timeout=30.0, now=0.0, **kw)
+
+
+def test_minutes_always_end_the_job_even_when_a_node_sits_on_its_credits():
+    c = _coord(seconds=60)
+    s = c.join(job_id="j", index=0, workers=2, algorithm="lsgd", num_groups=1, now=0).session
+    assert c.acquire(0, s, consumed=0, late=0, released=0, want=50, last_round_seen=0,
+                     now=1).grant == 50
+    for t in range(55, 70):  # it heartbeats but never reports its 50 credits
+        c.heartbeat(0, s, now=t)
+        c.tick(now=t)
+    assert c.stop_reason == "time budget reached" and c.round is None  # waits round_timeout
+    c.heartbeat(0, s, now=70)
+    c.tick(now=70)  # round_timeout (10 s) after the stop
+    assert c.round is not None and c.round.kind == RoundKind.FINAL and c.round.iteration == 0
+    # its steps on the forfeited credits arrive later: counted (as late), the rest refused
+    c.acquire(0, s, consumed=30, late=0, released=20, want=0, last_round_seen=c.round.id, now=72)
+    assert c.done == 30
+    with pytest.raises(CoordinatorError) as e:
+        c.acquire(0, s, consumed=0, late=21, released=0, want=0, last_round_seen=1, now=72)
+    assert e.value.code == "INVALID_ARGUMENT" and c.done == 30
+    c.acquire(0, s, consumed=0, late=20, released=0, want=0, last_round_seen=1, now=72)
+    assert c.done == 50
+
+
+# ---------------------------------------------------------------------- item 17: resume
+def test_a_resume_that_matches_no_node_is_refused(server):
+    servicer, addr = server
+    a, b = client(addr, 0), client(addr, 1)
+    join(a)
+    stub = raw_stub(addr)
+    for session in (a.session + 2, 12345):  # a stale or forged session; node 1 never joined
+        for idx in (0, 1):
+            req = pb.JoinRequest(node=pb.NodeId(job_id="job", node_index=idx), num_workers=2,
+                                 param_count=10, algorithm="easgd", num_groups=2,
+                                 resume_session=session, seq=1)
+            refused(servicer, lambda: stub.Join(req, timeout=5),
+                    grpc.StatusCode.FAILED_PRECONDITION, "cannot reattach", "train.sh")
+    assert sorted(servicer.coord.nodes) == [0]
+
+
+def test_a_node_whose_session_is_unknown_ends_with_one_line(server):
+    servicer, addr = server
+    a = client(addr, 0)
+    join(a)
+    a.session += 2  # the server does not know it (e.g. restarted from an older state)
+    node = _Node(a)
+    with pytest.raises(NodeError) as e:
+        node._reattach()
+    assert "cannot reattach" in str(e.value) and "FAILED_PRECONDITION" in str(e.value)
+    assert len(servicer.coord.nodes) == 1
+
+
+# ---------------------------------------------------------------------- item 12: restart
+def test_a_reattach_holding_a_periods_credits_is_accepted_after_a_restart():
+    """G_COMM=4096, one node of 2 workers: a grant is 4096, more than the stale state's
+    target - done; what the server could have granted bounds it instead."""
+    c = _coord()
+    c.schedule = Schedule.for_job(num_groups=1, workers=2, l_comm=4096, g_comm=4096,
+                                  local_rounds=False, max_iterations=None)
+    c.target, c.target_kind = c.schedule.next_event(0)
+    s = c.join(job_id="j", index=0, workers=2, algorithm="lsgd", num_groups=1, now=0).session
+
+    def ask(consumed, seq, want=10**6):
+        return c.acquire(0, s, consumed=consumed, late=0, released=0, want=want,
+                         last_round_seen=c.round.id if c.round else 0, now=1, seq=seq)
+
+    g = ask(0, 1).grant
+    ask(g, 2)
+    ask(3000, 3)
+    stale = c.state(1)  # saved here (done 7096 of 8192); the server goes on, then dies
+    ask(8192 - 7096, 4)
+    held = ask(0, 5).grant
+    assert c.round.id == 1 and held == 4096
+    restored = _coord()
+    restored.schedule = c.schedule
+    restored.restore(stale, now=2)
+    node = restored.join(job_id="j", index=0, workers=2, algorithm="lsgd", num_groups=1, now=2,
+                         resume_session=s, held=held, unreported=0, seq=6)
+    assert node.outstanding == held
+    with pytest.raises(CoordinatorError) as e:  # more than a node can ever hold is refused
+        restored.join(job_id="j", index=0, workers=2, algorithm="lsgd", num_groups=1, now=2,
+                      resume_session=s, held=8193, unreported=0, seq=7)
+    assert e.value.code == "INVALID_ARGUMENT" and node.outstanding == held
+
+
+@pytest.mark.timeout(120)
+def test_round_ids_and_evaluations_never_repeat_after_a_server_restart(tmp_path):
+    """SIGKILL the real server process between its (lagging) state saves; node 0's restart of it
+    goes on with new round ids and without repeating an evaluation round."""
+    config = JobConfig(num_groups=1, workers=1, job_id="job", algorithm="lsgd", l_comm=2,
+                       g_comm=2, eval_every=4, state_every=600, node_timeout=30, port=0,
+                       run_dir=str(tmp_path), join_timeout=60)
+    proc, ready = cli._start_global(config, logging.WARNING, None)
+    port = cli._await_global(proc, ready)
+    c = GlobalClient(f"127.0.0.1:{port}", "job", 0, round_timeout=5.0)
+    seen = []  # (round id, iteration, evaluate)
+    last = {"round": 0}  # the newest round this node has started (reset by a reattach)
+
+    def train(rounds, held=0):
+        while len(seen) < rounds:
+            ans = c.acquire(consumed=held, late=0, released=0, want=1,
+                            last_round_seen=last["round"], max_wait=0.5)
+            held = ans.grant
+            if ans.round_id:
+                last["round"] = ans.round_id
+                out = c.report_round(ans.round_id, None, 1)
+                seen.append((ans.round_id, ans.round_iteration, out.evaluate))
+        return held
+
+    try:
+        c.join(workers=1, param_count=4, algorithm="lsgd", num_groups=1, connect_timeout=10)
+        time.sleep(0.5)  # the first state save (counter 0) is behind us
+        held = train(5)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        proc, ready = cli._start_global(config.replace(port=port), logging.WARNING, None,
+                                        restore=True)
+        cli._await_global(proc, ready)
+        last["round"] = c.join(workers=1, param_count=4, algorithm="lsgd", num_groups=1,
+                               connect_timeout=10, resume=True, held=held).round_id
+        train(10, held=held)
+    finally:
+        c.close()
+        proc.terminate()
+        proc.join(10)
+    ids = [r for r, _, _ in seen]
+    assert len(set(ids)) == len(ids) and ids == sorted(ids), seen
+    evaluated = [it for _, it, ev in seen if ev]
+    assert len(set(evaluated)) == len(evaluated) and len(evaluated) >= 2, seen
