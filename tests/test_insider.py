@@ -146,7 +146,8 @@ def _supervise(monkeypatch, first_code, word, restarted_code=None):
     r, w = mp.Pipe(duplex=False)
     if word is not None:
         w.send(word)
-    sup = cli._Supervisor(JobConfig(), logging.INFO, None, _Proc(first_code), r)
+    sup = cli._Supervisor(JobConfig(), logging.INFO, None, _Proc(first_code))
+    sup.pipe = r  # the server process's pipe: what it said about its end
     sup.start()
     time.sleep(1.5)
     sup.stop()
