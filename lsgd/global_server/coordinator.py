@@ -521,17 +521,20 @@ class Coordinator:
     def state(self, now: float) -> dict:
         """What a restarted server needs to go on (JSON-able). Rounds in flight are not kept."""
         return {
-            "job_id": self.job_id, "done": self.done, "rounds_opened": self.rounds_opened,
-            "target": self.target, "target_kind": int(self.target_kind),
-            "period_start": self.period_start, "next_eval": self.next_eval,
-            "next_checkpoint": self.next_checkpoint,
-            "stop_reason": self.stop_reason, "started": self.started,
+            "job_id": self.job_id, **self.rounds_state(),
             "elapsed": now - self.started_at,
             "nodes": {str(i): {"session": n.session, "workers": n.workers, "consumed": n.consumed,
                                "left": n.left, "alive": n.alive, "last_seq": n.last_seq,
                                "spare": n.spare}
                       for i, n in self.nodes.items()},
         }
+
+    def rounds_state(self) -> dict:
+        """The part of ``state`` that a round opening or a stop changes (journaled)."""
+        return {"done": self.done, "rounds_opened": self.rounds_opened, "target": self.target,
+                "target_kind": int(self.target_kind), "period_start": self.period_start,
+                "next_eval": self.next_eval, "next_checkpoint": self.next_checkpoint,
+                "stop_reason": self.stop_reason, "started": self.started}
 
     def restore(self, state: dict, now: float, membership: bool = True) -> None:
         """Go on from ``state()``: every node that was alive gets ``node_timeout`` to reattach.

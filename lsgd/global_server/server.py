@@ -19,11 +19,12 @@ from pathlib import Path
 import grpc
 
 from ..config import JobConfig
-from ..files import open_private, private_dir, write_atomic
+from ..files import private_dir, write_atomic
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import SecretCheck, Security, is_loopback
 from ..wire import GRPC_OPTIONS
 from .coordinator import Coordinator, Schedule
+from .journal import Journal
 from .params import ParamStore
 from .servicer import GlobalServicer
 
@@ -100,9 +101,9 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     private_dir(out)
     state_file, params_file = out / "state.json", out / "params.npz"
     ckpt_file, ckpt_params = out / "checkpoint.json", out / "checkpoint.npz"
-    journal = out / "journal.json"
+    journal = Journal(out)
     if not restore:
-        journal.unlink(missing_ok=True)  # of an earlier run in this RUN_DIR
+        journal.clear()  # of an earlier run in this RUN_DIR
     if restore or resume:
         try:
             if resume:
@@ -115,7 +116,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                 ready.send(("error", msg))
             log.error("%s", msg)
             return 1
-    servicer.journal = lambda state: _journal(journal, state)
+    servicer.journal = journal.write
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
         server, port = create_server(f"{bind}:{config.port}", servicer,
@@ -155,6 +156,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     finally:
         server.stop(grace=1.0).wait(5.0)
         _save(servicer, state_file, params_file, saved_state)
+        journal.close()
         with servicer.cond:
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "calls": dict(servicer.calls.counts),
@@ -196,30 +198,11 @@ def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path,
     log.info("checkpoint at round %d (counter %d)", rid, state["done"])
 
 
-_journal_failed = False
-
-
-def _journal(path: Path, state: dict) -> None:
-    """Write the state at once (lock held): a temporary file renamed over ``path``, without
-    fsync (it guards against a crash of this process, which is what a restart recovers from;
-    a crash of the machine loses the job's node 0 anyway)."""
-    global _journal_failed
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open_private(tmp, "w") as f:
-            f.write(json.dumps(state))
-        os.replace(tmp, path)
-    except OSError as exc:
-        if not _journal_failed:
-            log.warning("cannot write %s (%s): a restart may repeat round ids", path, exc)
-        _journal_failed = True
-
-
 def _restore(servicer: GlobalServicer, state_file: Path, params_file: Path,
-             membership: bool = True, journal: Path | None = None) -> None:
-    saved = [json.loads(p.read_text()) for p in (state_file, journal)
-             if p is not None and p.exists()] or [json.loads(state_file.read_text())]
-    state = max(saved, key=lambda s: int(s.get("dump", 0)))  # the newest
+             membership: bool = True, journal: Journal | None = None) -> None:
+    state = json.loads(state_file.read_text())
+    if journal is not None:
+        state = journal.load(state)  # newer rounds or members written since that save
     with servicer.cond:
         servicer.dumps = int(state.get("dump", 0))
         servicer.coord.restore(state, servicer.clock(), membership=membership)

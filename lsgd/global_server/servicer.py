@@ -68,11 +68,11 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.closed = threading.Condition(lock)  # a global/final round closed: ReportRound waits
         self._exchanged = 0  # newest round whose parameter exchange was started
         self.calls = CallCounter()
-        # Called (lock held) with the state whenever a round opens, the stop target moves or the
-        # membership changes, before any node can learn of it (server.py writes it to disk), so
-        # that a restarted server never issues a round id, evaluation or checkpoint twice.
-        self.journal: Callable[[dict], None] | None = None
-        self._journaled: tuple | None = None
+        # Called (lock held) with the state and whether membership changed, whenever a round
+        # opens, the stop target moves or a node joins, before any node can learn of it
+        # (journal.py writes it), so a restarted server never issues a round id twice.
+        self.journal: Callable[[dict, bool], None] | None = None
+        self._journaled: tuple = (None, None)
         self.dumps = 0  # numbers every state taken: a restart goes on from the newest
 
     def state_dump(self) -> dict:
@@ -115,10 +115,15 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             self.cond.notify_all()
         if self.journal is not None:
             c = self.coord
-            key = (c.rounds_opened, c.target, c.stop_reason,
+            key = ((c.rounds_opened, c.target, c.stop_reason),
                    tuple(n.session for n in c.nodes.values()))
             if key != self._journaled:
-                self.journal(self.state_dump())
+                members = key[1] != self._journaled[1]
+                if members:
+                    self.journal(self.state_dump(), True)
+                else:
+                    self.dumps += 1
+                    self.journal(c.rounds_state() | {"dump": self.dumps}, False)
                 self._journaled = key
         return result
 
