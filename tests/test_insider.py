@@ -264,6 +264,27 @@ def test_a_credit_request_numbered_ahead_is_refused_and_cannot_wedge_the_node(se
     assert servicer.coord.nodes[0].last_seq == a.last_seq
 
 
+def test_a_join_numbered_below_the_last_request_ends_the_node_instead_of_looping(server):
+    servicer, addr = server
+    a, b = client(addr, 0), client(addr, 1)
+    join(a), join(b)
+    for _ in range(3):
+        a.acquire(consumed=0, late=0, released=0, want=0, last_round_seen=0, max_wait=0)
+    stub = raw_stub(addr)
+    req = pb.JoinRequest(node=pb.NodeId(job_id="job", node_index=0, session=a.session),
+                         num_workers=2, param_count=10, algorithm="easgd", num_groups=2,
+                         resume_session=a.session, seq=2)
+    refused(servicer, lambda: stub.Join(req, timeout=5), grpc.StatusCode.FAILED_PRECONDITION,
+            "older than its request 3")
+
+
+def test_a_node_waiting_for_node_0_says_so(server):
+    servicer, addr = server
+    with pytest.raises(Exception) as e:
+        join(client(addr, 1), timeout=1.0)
+    assert "node 0 did not join" in str(e.value) and "IP_ADDR" not in str(e.value)
+
+
 def _coord(seconds=None, **kw):
     sched = Schedule.for_job(num_groups=1, workers=2, l_comm=100, g_comm=100, local_rounds=False,
                              max_iterations=kw.pop("iters", None))

@@ -270,8 +270,12 @@ class Coordinator:
         index = old.index
         try:
             claims.check_seq(index, seq, old.last_seq, ahead=0 if old.needs_resume else 2)
-            if seq and seq <= old.last_seq:  # a repeated join: already applied
+            if seq and seq == old.last_seq:  # a repeated join: already applied
                 return old
+            if seq and seq < old.last_seq:  # not a retry: something else used newer numbers
+                raise CoordinatorError("FAILED_PRECONDITION",
+                                       f"join {seq} of node {index} is older than its request "
+                                       f"{old.last_seq} (replayed); start the node again")
             if unanswered_seq and (unanswered_seq >= claims.MAX_SEQ
                                    or (seq and unanswered_seq >= seq)):
                 raise claims.ClaimError(f"unanswered request {unanswered_seq} of node {index} "
