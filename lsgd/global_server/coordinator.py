@@ -425,9 +425,9 @@ class Coordinator:
         held = {n.index: n.outstanding for n in self.nodes.values() if n.alive and n.outstanding}
         if not held or now - self.stopped_at < self.round_timeout:
             return
-        log.warning("stopping: node(s) %s still hold %s credits %g s after the stop; the final "
-                    "round opens without them (steps on them count as late)", sorted(held),
-                    sorted(held.values()), self.round_timeout)
+        log.warning("stopping: credits still held %g s after the stop (node: credits %s); the "
+                    "final round opens without them (steps on them count as late)",
+                    self.round_timeout, held)
         for node in self.nodes.values():
             if node.alive:
                 node.spare += node.outstanding
