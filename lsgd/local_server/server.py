@@ -118,7 +118,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self._loop()
             return 0
         except (NodeError, GlobalUnreachable) as exc:
-            why = self.global_fate() or str(exc)  # node 0: its own server died, not IP_ADDR/PORT
+            # node 0: the server it started died, which is not a matter of IP_ADDR/PORT
+            fate = self.global_fate() if isinstance(exc, GlobalUnreachable) else None
+            why = fate or str(exc)
             log.error("node %d: %s", self.cfg.node_index, why)
             self.summary["error"] = why
             return 1
