@@ -285,6 +285,33 @@ def test_a_node_waiting_for_node_0_says_so(server):
     assert "node 0 did not join" in str(e.value) and "IP_ADDR" not in str(e.value)
 
 
+def test_minutes_end_the_job_over_grpc_while_a_node_sits_on_its_credits():
+    config = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="easgd", alpha=0.1,
+                       l_comm=100, g_comm=100, iterations=None, minutes=0.01, round_timeout=0.5)
+    servicer = build_servicer(config)
+    srv, port = create_server("127.0.0.1:0", servicer)
+    addr = f"127.0.0.1:{port}"
+    try:
+        a, b = client(addr, 0), client(addr, 1)
+        join(a), join(b)
+        assert b.acquire(consumed=0, late=0, released=0, want=50, last_round_seen=0,
+                         max_wait=0).grant == 50  # held, never reported
+        end, final = time.monotonic() + 10, None
+        while time.monotonic() < end and final is None:
+            b.heartbeat()
+            ans = a.acquire(consumed=0, late=0, released=0, want=0, last_round_seen=0,
+                            max_wait=0.2)
+            if ans.round_id and ans.round_kind == RoundKind.FINAL:
+                final = ans
+        assert final is not None, "the final round never opened"
+        assert time.monotonic() - (end - 10) < 0.6 + 0.5 + 3  # minutes + round_timeout + slack
+        b.acquire(consumed=50, late=0, released=0, want=0, last_round_seen=final.round_id,
+                  max_wait=0)  # its steps arrive later: counted as late
+        assert servicer.coord.done == 50
+    finally:
+        srv.stop(grace=0.5).wait(5)
+
+
 def _coord(seconds=None, **kw):
     sched = Schedule.for_job(num_groups=1, workers=2, l_comm=100, g_comm=100, local_rounds=False,
                              max_iterations=kw.pop("iters", None))
@@ -379,7 +406,8 @@ def test_a_reattach_holding_a_periods_credits_is_accepted_after_a_restart():
 @pytest.mark.timeout(120)
 def test_round_ids_and_evaluations_never_repeat_after_a_server_restart(tmp_path):
     """SIGKILL the real server process between its (lagging) state saves; node 0's restart of it
-    goes on with new round ids and without repeating an evaluation round."""
+    knows the node that joined since, and goes on with new round ids and without repeating an
+    evaluation round."""
     config = JobConfig(num_groups=1, workers=1, job_id="job", algorithm="lsgd", l_comm=2,
                        g_comm=2, eval_every=4, state_every=600, node_timeout=30, port=0,
                        run_dir=str(tmp_path), join_timeout=60)
@@ -400,10 +428,14 @@ def test_round_ids_and_evaluations_never_repeat_after_a_server_restart(tmp_path)
                 seen.append((ans.round_id, ans.round_iteration, out.evaluate))
         return held
 
+    state = tmp_path / "global" / "state.json"
     try:
+        end = time.monotonic() + 10
+        while not state.exists() and time.monotonic() < end:  # its first save: no node yet
+            time.sleep(0.05)
         c.join(workers=1, param_count=4, algorithm="lsgd", num_groups=1, connect_timeout=10)
-        time.sleep(0.5)  # the first state save (counter 0) is behind us
         held = train(5)
+        assert '"nodes": {}' in state.read_text()  # the save lags: the join is not in it
         os.kill(proc.pid, signal.SIGKILL)
         proc.join(10)
         proc, ready = cli._start_global(config.replace(port=port), logging.WARNING, None,
