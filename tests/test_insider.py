@@ -227,6 +227,30 @@ def test_counts_beyond_what_a_node_can_have_done_are_refused(server):
     a.acquire(consumed=0, late=0, released=0, want=0, last_round_seen=0, max_wait=0)
 
 
+def test_a_sum_of_more_vectors_than_the_node_reported_is_refused(server):
+    servicer, addr = server
+    a, b = client(addr, 0), client(addr, 1)
+    join(a), join(b)
+    held, rnd = {0: 0, 1: 0}, None
+    while rnd is None:  # a global (EASGD center) round
+        for i, c in ((0, a), (1, b)):
+            ans = c.acquire(consumed=held[i], late=0, released=0, want=100, last_round_seen=0,
+                            max_wait=0)
+            held[i] = ans.grant
+            rnd = rnd or (ans.round_id or None)
+    threads = [threading.Thread(target=c.report_round, args=(rnd, None, 1)) for c in (a, b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    sums = np.ones(10, np.float32)
+    refused(servicer, lambda: a.push("sum", sums, rnd, summands=2),
+            grpc.StatusCode.INVALID_ARGUMENT, "1..1")
+    refused(servicer, lambda: a.push("sum", sums, rnd, summands=2**32 - 1),
+            grpc.StatusCode.INVALID_ARGUMENT)
+    a.push("sum", sums, rnd, summands=1)
+
+
 def test_a_detached_node_takes_at_most_one_global_period_of_its_own():
     from lsgd.local_server import server as ls
     from lsgd.local_server import messages as m

@@ -79,6 +79,7 @@ class Exchange:
     in_flight: set[tuple[int, str]] = field(default_factory=set)  # uploads being received
     leader_ok: bool = False
     summands: int = 0
+    participants: dict[int, int] = field(default_factory=dict)  # node -> reported in the round
     average: bool = False  # the sums make an average (final and evaluation rounds)
     sums_ok: bool = True
     settled: bool = False
@@ -208,7 +209,7 @@ class ParamStore:
             if any(b == SUM for _, b in expected) and self.param_count:
                 self.buffers[SUM].fill(0.0)
             self.exchange = Exchange(round_id, kind, expected, self.clock() + timeout,
-                                     average=average)
+                                     participants=dict(reports), average=average)
             self._maybe_settle()
             self._cond.notify_all()
 
@@ -265,8 +266,10 @@ class ParamStore:
                     raise ParamError("FAILED_PRECONDITION",
                                      f"no upload of {buffer} from node {node} is expected for "
                                      f"round {round_id} (closed, settled or not elected)")
-                if buffer == SUM and not 1 <= summands <= 1 << 20:
-                    raise ParamError("INVALID_ARGUMENT", f"summands must be >= 1, got {summands}")
+                most = ex.participants.get(node, 0)  # a node sums at most what it reported
+                if buffer == SUM and not 1 <= summands <= most:
+                    raise ParamError("INVALID_ARGUMENT", f"summands must be in 1..{most} (node "
+                                     f"{node}'s participants in round {round_id}), got {summands}")
                 # Taken: a retry cannot add twice, and the round cannot settle mid-upload.
                 ex.expected.discard((node, buffer))
                 ex.in_flight.add((node, buffer))
