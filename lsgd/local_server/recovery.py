@@ -116,8 +116,7 @@ class RecoveryMixin:
                 self.next_reattach = now + self.reattach_delay
                 return False
             # e.g. the server no longer knows this node's session: one line, no retry loop
-            raise NodeError(f"cannot reattach to the global server: {exc.details()} "
-                            f"({exc.code().name})") from None
+            raise NodeError(f"reattaching: {exc.details()} ({exc.code().name})") from None
         if resp.session != old_session:  # the server refuses unknown sessions; never expected
             raise NodeError("the global server gave this node a new session on reattaching")
         self.report = Report()  # the server counted them and took over the held credits
