@@ -93,8 +93,9 @@ class _Node(RecoveryMixin):
 
 
 def test_node_0_says_its_own_server_died_not_ip_addr():
-    node = _Node(GlobalClient("127.0.0.1:9", "job", 0, round_timeout=5.0), fate="the global server this node started died 6 "
-                 "times (last: exit code 1, its last error: KeyError: 'x')")
+    fate = ("the global server this node started died 6 times (last: exit code 1, its last "
+            "error: KeyError: 'x')")
+    node = _Node(GlobalClient("127.0.0.1:9", "job", 0, round_timeout=5.0), fate=fate)
     with pytest.raises(NodeError) as e:
         node._reattach()
     assert "KeyError" in str(e.value) and "IP_ADDR" not in str(e.value)
