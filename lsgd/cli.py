@@ -130,16 +130,21 @@ def _stop_global(proc: mp.process.BaseProcess, wait: float) -> None:
 
 
 class _Supervisor(threading.Thread):
-    """Node 0 restarts a global server process killed by a signal (SIGKILL, a crash) on the
-    same port, from its saved state (at most ``MAX_RESTARTS`` times); the nodes reattach."""
+    """Node 0 restarts a global server process that exited unexpectedly (killed by a signal,
+    crashed on an error) on the same port, from its saved state (at most ``MAX_RESTARTS``
+    times); the nodes reattach. A server that ended on its own decision (the job is over, it
+    was stopped, it could not start or restore) tells so on its pipe and is not restarted.
+    ``fate()`` says why the server is gone for good (None while it runs or is restarted)."""
 
     MAX_RESTARTS = 5
 
     def __init__(self, config: JobConfig, level: int, security: Security,
-                 proc: mp.process.BaseProcess) -> None:
+                 proc: mp.process.BaseProcess, pipe: object = None) -> None:
         super().__init__(name="lsgd-supervisor", daemon=True)
         self.config, self.level, self.security, self.proc = config, level, security, proc
+        self.pipe = pipe  # what the server process says about its end
         self.restarts = 0
+        self._gone: str | None = None
         self._stop_event = threading.Event()
 
     def stop(self) -> mp.process.BaseProcess:
@@ -147,19 +152,43 @@ class _Supervisor(threading.Thread):
         self.join(READY_TIMEOUT + 5)
         return self.proc
 
+    def fate(self) -> str | None:
+        return self._gone
+
+    def _last_word(self) -> tuple | None:
+        """The process's own account of its end, if it gave one."""
+        try:
+            while self.pipe is not None and self.pipe.poll(0):
+                word = self.pipe.recv()
+                if word and word[0] in ("ended", "crashed"):
+                    return word
+        except (EOFError, OSError):
+            pass
+        return None
+
     def run(self) -> None:
         while not self._stop_event.wait(0.2):
             code = self.proc.exitcode
-            if code is None or code >= 0:  # running, or stopped on its own (end, Ctrl-C)
+            if code is None or self._gone is not None:
                 continue
-            if self.restarts >= self.MAX_RESTARTS:
-                log.error("global server died %d times; not restarting it again", self.restarts + 1)
+            word = self._last_word()
+            if word is not None and word[0] == "ended":
+                if code != 0:
+                    self._gone = (f"the global server this node started ended with exit code "
+                                  f"{code}; see its log lines above")
                 return
+            why = f"killed by {_signal_name(-code)}" if code < 0 else (
+                f"its last error: {word[1]}" if word is not None else "no error reported")
+            if self.restarts >= self.MAX_RESTARTS:
+                self._gone = (f"the global server this node started died {self.restarts + 1} "
+                              f"times (last: exit code {code}, {why}); not restarting it again")
+                log.error("%s", self._gone)
+                continue
             self.restarts += 1
             log.warning("global server died (exit code %s); restarting it from its saved state "
-                        "(%d of at most %d)", code, self.restarts, self.MAX_RESTARTS)
+                        "(%d of at most %d); %s", code, self.restarts, self.MAX_RESTARTS, why)
             proc, ready = _start_global(self.config, self.level, self.security, restore=True)
-            self.proc = proc
+            self.proc, self.pipe = proc, ready
             try:
                 _await_global(proc, ready)
             except RuntimeError as exc:
@@ -185,6 +214,13 @@ def _port_taken(config: JobConfig) -> str | None:
     return None
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def train(config: JobConfig, level: int, security: Security) -> int:
     """Run this node (and, on node 0, the global server). Returns the exit code."""
     from .local_server.server import LocalServer
@@ -199,9 +235,12 @@ def train(config: JobConfig, level: int, security: Security) -> int:
         if config.node_index == 0:
             global_proc, ready = _start_global(config, level, security)
             port = _await_global(global_proc, ready)
-            supervisor = _Supervisor(config.replace(port=port), level, security, global_proc)
+            supervisor = _Supervisor(config.replace(port=port), level, security, global_proc,
+                                     ready)
             supervisor.start()
         server = LocalServer(config, f"{config.ip_addr}:{port}", level, security)
+        if supervisor is not None:
+            server.global_fate = supervisor.fate
         code = server.run()
         _print_summary(server.summary, code)
     except KeyboardInterrupt:

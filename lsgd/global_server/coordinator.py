@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from ..leader import Candidate, elect
 from ..rules.base import RoundKind
+from . import claims
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,17 @@ class Schedule:
         n = num_groups * workers
         return cls(n * l_comm if local_rounds else None, n * g_comm, max_iterations)
 
+    @property
+    def period(self) -> int:
+        """The most iterations between two rounds: no node can hold more credits."""
+        return self.local_period or self.global_period
+
+    @property
+    def detached_steps(self) -> int:
+        """Steps a node cut off from the server may take on credits of its own, per detachment
+        (one global period; the node keeps the same rule)."""
+        return self.global_period
+
     def next_event(self, after: int) -> tuple[int, RoundKind]:
         """The first boundary strictly after ``after`` and the kind of round it triggers."""
         candidates = [((after // self.global_period) + 1) * self.global_period]
@@ -78,6 +90,7 @@ class NodeState:
     alive: bool = True
     left: bool = False
     consumed: int = 0  # total steps this node reported
+    spare: int = 0  # credits no longer outstanding that it may still step on (claims.py)
     last_seq: int = 0  # newest numbered credit request
     last_grant: "Grant | None" = None  # the answer to it (given again to a retry)
     needs_resume: bool = False  # restored from saved state: must reattach (Join) first
@@ -157,6 +170,7 @@ class Coordinator:
         self.next_eval = eval_every  # counter value from which the next global round evaluates
         self.checkpoint_every = checkpoint_every
         self.next_checkpoint = checkpoint_every
+        self.stopped_at: float | None = None  # when stop_reason was set
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -204,40 +218,26 @@ class Coordinator:
         partition), the node keeps its session: it holds ``held`` credits and took
         ``unreported`` steps the counter lacks (counted now, as late steps), plus the steps of
         its credit request ``unanswered_seq`` if that request never arrived. ``seq`` numbers
-        the join like a credit request, so a repeated join counts nothing twice.
+        the join like a credit request, so a repeated join counts nothing twice. A resume
+        whose session matches no node is refused: the node must be started again.
 
         With ``replaces_session`` equal to the session of the live member ``index`` (the node
         restarted after a crash, by hand or by a supervisor, before ``node_timeout`` dropped
         it), that member is dropped now and the node joins afresh (see ``_replace``).
         """
-        if job_id != self.job_id:
-            raise CoordinatorError("FAILED_PRECONDITION",
-                                   f"job id '{job_id}' does not match the server's '{self.job_id}'")
-        if algorithm != self.algorithm or num_groups != self.num_groups or workers != self.workers:
-            raise CoordinatorError(
-                "FAILED_PRECONDITION",
-                f"node {index} runs algorithm={algorithm} num_groups={num_groups} workers={workers} "
-                f"but the job runs algorithm={self.algorithm} num_groups={self.num_groups} "
-                f"workers={self.workers}; use the same train.sh settings on every node")
-        if not 0 <= index < self.num_groups:
-            raise CoordinatorError("INVALID_ARGUMENT",
-                                   f"node index {index} is out of range 0..{self.num_groups - 1}")
+        self.check_join(job_id=job_id, index=index, workers=workers, algorithm=algorithm,
+                        num_groups=num_groups)
         old = self.nodes.get(index)
-        if resume_session and old is not None and old.session == resume_session and not old.left:
-            if held > max(0, self.target - self.done) + self.num_groups * self.workers * 1024:
-                raise CoordinatorError("INVALID_ARGUMENT", f"node {index} claims {held} credits")
-            if seq and seq <= old.last_seq:  # a repeated join: already applied
-                return old
-            if unanswered_seq > old.last_seq:  # that credit request never arrived
-                unreported += unanswered_steps
-            old.alive, old.last_seen, old.outstanding, old.needs_resume = True, now, held, False
-            old.last_seq, old.last_grant = seq, None
-            old.last_round_seen = self._round_seen_on_join(index)
-            old.consumed += unreported
-            self.done += unreported
-            log.info("node %d reattached (holds %d credits, %d steps reported now)", index, held,
-                     unreported)
-            return old
+        if resume_session:
+            if old is None or old.session != resume_session or old.left:
+                why = "it left the job" if old is not None and old.session == resume_session else (
+                    "the server does not know that session (it restarted from a state saved "
+                    "before the node joined, or the node was replaced by a newer run)")
+                raise CoordinatorError("FAILED_PRECONDITION",
+                                       f"node {index} cannot reattach: {why}; start the node "
+                                       "again with train.sh to join afresh")
+            return self._reattach(old, now, held=held, unreported=unreported, seq=seq,
+                                  unanswered_seq=unanswered_seq, unanswered_steps=unanswered_steps)
         if old is not None and old.alive and not old.left:
             if not replaces_session or old.session != replaces_session:
                 raise CoordinatorError("FAILED_PRECONDITION",
@@ -266,6 +266,56 @@ class Coordinator:
         old.outstanding = 0
         self._maybe_close_round(now)
 
+    def check_join(self, *, job_id: str, index: int, workers: int, algorithm: str,
+                   num_groups: int) -> None:
+        """Refuse (CoordinatorError) a node whose job or settings differ; changes nothing."""
+        if job_id != self.job_id:
+            raise CoordinatorError("FAILED_PRECONDITION",
+                                   f"job id '{job_id}' does not match the server's '{self.job_id}'")
+        if algorithm != self.algorithm or num_groups != self.num_groups or workers != self.workers:
+            raise CoordinatorError(
+                "FAILED_PRECONDITION",
+                f"node {index} runs algorithm={algorithm} num_groups={num_groups} workers={workers} "
+                f"but the job runs algorithm={self.algorithm} num_groups={self.num_groups} "
+                f"workers={self.workers}; use the same train.sh settings on every node")
+        if not 0 <= index < self.num_groups:
+            raise CoordinatorError("INVALID_ARGUMENT",
+                                   f"node index {index} is out of range 0..{self.num_groups - 1}")
+
+    def _reattach(self, old: NodeState, now: float, *, held: int, unreported: int, seq: int,
+                  unanswered_seq: int, unanswered_steps: int) -> NodeState:
+        """The node ``old`` comes back with its session (see ``join``); every count is bounded
+        by what it can have done (``claims.py``) and checked before anything changes."""
+        index = old.index
+        try:
+            claims.check_seq(index, seq, old.last_seq, ahead=0 if old.needs_resume else 2)
+            if seq and seq == old.last_seq:  # a repeated join: already applied
+                return old
+            if seq and seq < old.last_seq:  # not a retry: something else used newer numbers
+                raise CoordinatorError("FAILED_PRECONDITION",
+                                       f"join {seq} of node {index} is older than its request "
+                                       f"{old.last_seq} (replayed); start the node again")
+            if unanswered_seq and (unanswered_seq >= claims.MAX_SEQ
+                                   or (seq and unanswered_seq >= seq)):
+                raise claims.ClaimError(f"unanswered request {unanswered_seq} of node {index} "
+                                        f"is not before this join ({seq})")
+            counted = unreported + (unanswered_steps if unanswered_seq > old.last_seq else 0)
+            spare = claims.reattach(index, held, counted, old.outstanding, old.spare,
+                                    period=self.schedule.period,
+                                    detached_steps=self.schedule.detached_steps,
+                                    restored=old.needs_resume)
+        except claims.ClaimError as exc:
+            raise CoordinatorError("INVALID_ARGUMENT", str(exc)) from None
+        old.alive, old.last_seen, old.outstanding, old.needs_resume = True, now, held, False
+        old.spare = spare
+        old.last_seq, old.last_grant = seq, None
+        old.last_round_seen = self._round_seen_on_join(index)
+        old.consumed += counted
+        self.done += counted
+        log.info("node %d reattached (holds %d credits, %d steps reported now)", index, held,
+                 counted)
+        return old
+
     def _round_seen_on_join(self, index: int) -> int:
         """A joining node takes part from the next round, or from the open one if that round
         waits for it (a reattaching node must not skip a round, above all the final one)."""
@@ -289,14 +339,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ credits
     def _consume(self, node: NodeState, consumed: int, late: int, released: int) -> None:
-        if min(consumed, late, released) < 0:
-            raise CoordinatorError("INVALID_ARGUMENT", "counts must be >= 0")
-        if consumed + released > node.outstanding:
-            raise CoordinatorError(
-                "INVALID_ARGUMENT",
-                f"node {node.index} reports {consumed} consumed + {released} released but holds "
-                f"only {node.outstanding} credits")
-        node.outstanding -= consumed + released
+        try:
+            node.outstanding, node.spare = claims.settle(node.index, node.outstanding, node.spare,
+                                                         consumed, late, released)
+        except claims.ClaimError as exc:
+            raise CoordinatorError("INVALID_ARGUMENT", str(exc)) from None
         node.consumed += consumed + late
         self.done += consumed + late
 
@@ -309,6 +356,10 @@ class Coordinator:
         """
         node = self._node(index, session, now)
         if seq:
+            try:
+                claims.check_seq(index, seq, node.last_seq, ahead=1)
+            except claims.ClaimError as exc:
+                raise CoordinatorError("INVALID_ARGUMENT", str(exc)) from None
             if seq < node.last_seq:
                 raise CoordinatorError("FAILED_PRECONDITION", f"credit request {seq} of node "
                                        f"{index} is older than {node.last_seq} (replayed)")
@@ -357,6 +408,7 @@ class Coordinator:
         for node in self.live_nodes:
             if now - node.last_seen > self.node_timeout:
                 node.alive = False
+                node.spare += node.outstanding  # forfeited, but it may still step on them
                 node.outstanding = 0
                 dropped.append(node.index)
                 log.warning("node %d dropped: silent for %.1f s (node_timeout %g s)",
@@ -366,18 +418,45 @@ class Coordinator:
             log.warning("starting with %d of %d nodes after the join timeout",
                         len(self.live_nodes), self.num_groups)
         if self.deadline is not None and now >= self.deadline and self.stop_reason is None:
-            self._stop("time budget reached")
+            self._stop("time budget reached", now)
+        self._forfeit_after_stop(now)
         self._maybe_open_round(now)
         self._maybe_close_round(now)
         return dropped
 
-    def _stop(self, reason: str) -> None:
-        """Grant nothing more; the final round opens once granted credits are used."""
+    def _stop(self, reason: str, now: float | None = None) -> None:
+        """Grant nothing more; the final round opens once granted credits are used, or
+        ``round_timeout`` after the stop (``_forfeit_after_stop``)."""
         self.stop_reason = reason
+        self.stopped_at = now
         if self.round is None or self.round.kind != RoundKind.FINAL:
             self.target = min(self.target, self.done + self.outstanding)
             self.target_kind = RoundKind.FINAL
         log.info("stopping: %s (counter %d)", reason, self.done)
+
+    def _forfeit_after_stop(self, now: float) -> None:
+        """A stopped job waits at most ``round_timeout`` for the credits nodes still hold: then
+        they are forfeited (steps on them count as late) and the final round opens."""
+        if self.stop_reason is None or self.target_kind != RoundKind.FINAL or self.finishing:
+            return
+        if self.stopped_at is None:
+            self.stopped_at = now
+        held = {n.index: n.outstanding for n in self.nodes.values() if n.alive and n.outstanding}
+        if not held or now - self.stopped_at < self.round_timeout:
+            return
+        log.warning("stopping: credits still held %g s after the stop (node: credits %s); the "
+                    "final round opens without them (steps on them count as late)",
+                    self.round_timeout, held)
+        for node in self.nodes.values():
+            if node.alive:
+                node.spare += node.outstanding
+                node.outstanding = 0
+        self.target = min(self.target, self.done)
+
+    @property
+    def finishing(self) -> bool:
+        """The final round has opened."""
+        return self.round is not None and self.round.kind == RoundKind.FINAL
 
     def _maybe_open_round(self, now: float) -> None:
         if not self.started or self.done < self.target:
@@ -465,16 +544,20 @@ class Coordinator:
     def state(self, now: float) -> dict:
         """What a restarted server needs to go on (JSON-able). Rounds in flight are not kept."""
         return {
-            "job_id": self.job_id, "done": self.done, "rounds_opened": self.rounds_opened,
-            "target": self.target, "target_kind": int(self.target_kind),
-            "period_start": self.period_start, "next_eval": self.next_eval,
-            "next_checkpoint": self.next_checkpoint,
-            "stop_reason": self.stop_reason, "started": self.started,
+            "job_id": self.job_id, **self.rounds_state(),
             "elapsed": now - self.started_at,
             "nodes": {str(i): {"session": n.session, "workers": n.workers, "consumed": n.consumed,
-                               "left": n.left, "alive": n.alive, "last_seq": n.last_seq}
+                               "left": n.left, "alive": n.alive, "last_seq": n.last_seq,
+                               "spare": n.spare}
                       for i, n in self.nodes.items()},
         }
+
+    def rounds_state(self) -> dict:
+        """The part of ``state`` that a round opening or a stop changes (journaled)."""
+        return {"done": self.done, "rounds_opened": self.rounds_opened, "target": self.target,
+                "target_kind": int(self.target_kind), "period_start": self.period_start,
+                "next_eval": self.next_eval, "next_checkpoint": self.next_checkpoint,
+                "stop_reason": self.stop_reason, "started": self.started}
 
     def restore(self, state: dict, now: float, membership: bool = True) -> None:
         """Go on from ``state()``: every node that was alive gets ``node_timeout`` to reattach.
@@ -501,7 +584,8 @@ class Coordinator:
                                              joined_at=now, last_seen=now, consumed=int(n["consumed"]),
                                              last_round_seen=self.rounds_opened,
                                              alive=bool(n["alive"]), left=bool(n["left"]),
-                                             last_seq=int(n.get("last_seq", 0)), needs_resume=True)
+                                             last_seq=int(n.get("last_seq", 0)),
+                                             spare=int(n.get("spare", 0)), needs_resume=True)
 
     def snapshot(self) -> dict:
         """A JSON-able summary of the state (for logs and the run summary)."""

@@ -12,6 +12,7 @@ failed, or its deadline passed. Downloads for that round wait until it settles.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from contextlib import ExitStack, nullcontext
@@ -33,8 +34,41 @@ LEADER, CENTER, SUM, AVERAGE = "global_leader", "center", "sum", "average"
 SAVED_AS = {LEADER: "leader", CENTER: "center"}  # member names in the saved .npz
 
 
+HELD = (LEADER, CENTER, SUM)  # the vectors the server holds, each param_count float32
+
+
 class _Changed(Exception):
     """A vector changed while a save wrote it: that attempt is discarded."""
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still allocate: the kernel's MemAvailable, capped by the
+    cgroup's (container's) limit; None where neither is known."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit) as f, open(usage) as g:
+                text = f.read().strip()
+                if text != "max":
+                    found.append(max(0, int(text) - int(g.read().strip())))
+            break
+        except (OSError, ValueError):
+            continue
+    if not found and hasattr(os, "sysconf"):
+        try:
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+        except (OSError, ValueError):
+            pass
+    return min(found) if found else None
 
 
 class ParamError(Exception):
@@ -54,6 +88,7 @@ class Exchange:
     in_flight: set[tuple[int, str]] = field(default_factory=set)  # uploads being received
     leader_ok: bool = False
     summands: int = 0
+    participants: dict[int, int] = field(default_factory=dict)  # node -> reported in the round
     average: bool = False  # the sums make an average (final and evaluation rounds)
     sums_ok: bool = True
     settled: bool = False
@@ -78,6 +113,7 @@ class ParamStore:
         self.leader_complete = False  # the leader buffer holds a whole uploaded leader
         self._last_saved: int | None = None  # versions at the last save
         self._cond = threading.Condition()
+        self.memory = available_memory  # bytes free for new buffers (tests replace it)
 
     def check_param_count(self, count: int) -> None:
         """Raise ParamError unless a node with ``count`` parameters may join."""
@@ -87,15 +123,38 @@ class ParamStore:
             raise ParamError("FAILED_PRECONDITION",
                              f"this node's model has {count} parameters but the job's has "
                              f"{self.param_count}; every node must run the same model")
+        if self.param_count is None:
+            needed, free = len(HELD) * 4 * count, self.memory()
+            if free is not None and needed > free:
+                raise ParamError("RESOURCE_EXHAUSTED",
+                                 f"a model of {count} parameters needs {_size(needed)} of memory "
+                                 f"on the global server (node 0) for its {len(HELD)} buffers; "
+                                 f"{_size(free)} is available")
 
-    def set_param_count(self, count: int) -> None:
-        """Fix the model size at the first admitted join; later joins must match."""
+    def reserve(self, count: int) -> dict[str, np.ndarray] | None:
+        """The buffers of a model of ``count`` parameters, allocated but not installed (None
+        when the size is fixed already), or ParamError; changes nothing."""
         with self._cond:
             self.check_param_count(count)
-            if self.param_count is None:
-                self.param_count = count
-                for name in (LEADER, CENTER, SUM):
-                    self.buffers[name] = np.zeros(count, dtype=np.float32)
+            if self.param_count is not None:
+                return None
+        try:
+            return {name: np.zeros(count, dtype=np.float32) for name in HELD}
+        except MemoryError:
+            raise ParamError("RESOURCE_EXHAUSTED", f"cannot allocate the buffers of a model of "
+                             f"{count} parameters on the global server") from None
+
+    def install(self, count: int, buffers: dict[str, np.ndarray] | None) -> None:
+        """Fix the model size with buffers from ``reserve`` (no-op with None)."""
+        with self._cond:
+            if buffers is None or self.param_count is not None:
+                return
+            self.buffers.update(buffers)
+            self.param_count = count
+
+    def set_param_count(self, count: int) -> None:
+        """Fix the model size (``reserve`` + ``install``); later joins must match."""
+        self.install(count, self.reserve(count))
 
     # ------------------------------------------------------------------ persistence
     @property
@@ -225,7 +284,7 @@ class ParamStore:
             if any(b == SUM for _, b in expected) and self.param_count:
                 self.buffers[SUM].fill(0.0)
             self.exchange = Exchange(round_id, kind, expected, self.clock() + timeout,
-                                     average=average)
+                                     participants=dict(reports), average=average)
             self._maybe_settle()
             self._cond.notify_all()
 
@@ -282,8 +341,10 @@ class ParamStore:
                     raise ParamError("FAILED_PRECONDITION",
                                      f"no upload of {buffer} from node {node} is expected for "
                                      f"round {round_id} (closed, settled or not elected)")
-                if buffer == SUM and not 1 <= summands <= 1 << 20:
-                    raise ParamError("INVALID_ARGUMENT", f"summands must be >= 1, got {summands}")
+                most = ex.participants.get(node, 0)  # a node sums at most what it reported
+                if buffer == SUM and not 1 <= summands <= most:
+                    raise ParamError("INVALID_ARGUMENT", f"summands must be in 1..{most} (node "
+                                     f"{node}'s participants in round {round_id}), got {summands}")
                 # Taken: a retry cannot add twice, and the round cannot settle mid-upload.
                 ex.expected.discard((node, buffer))
                 ex.in_flight.add((node, buffer))
@@ -420,6 +481,15 @@ class ParamStore:
         if buffer == AVERAGE and not (ex.average and ex.sums_ok and ex.summands):
             return f"!round {round_id} has no average"
         return None
+
+
+def _size(n: int) -> str:
+    """Bytes for people: 1.2 GB, 4.0 TB."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"
 
 
 def _wire_dtype(wire: str) -> np.dtype:

@@ -25,6 +25,7 @@ from ..security import Security, is_loopback
 from ..wire import GRPC_OPTIONS
 from .admission import Admission, Limits
 from .coordinator import Coordinator, Schedule
+from .journal import Journal
 from .params import ParamStore
 from .servicer import GlobalServicer
 
@@ -108,18 +109,22 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     private_dir(out)
     state_file, params_file = out / "state.json", out / "params.npz"
     ckpt_file, ckpt_params = out / "checkpoint.json", out / "checkpoint.npz"
+    journal = Journal(out)
+    if not restore:
+        journal.clear()  # of an earlier run in this RUN_DIR
     if restore or resume:
         try:
             if resume:
                 _restore(servicer, ckpt_file, ckpt_params, membership=False)
             else:
-                _restore(servicer, state_file, params_file)
+                _restore(servicer, state_file, params_file, journal=journal)
         except (OSError, ValueError, KeyError, IndexError) as exc:
             msg = f"cannot restore the global server's state from {out}: {exc}"
             if ready is not None:
                 ready.send(("error", msg))
             log.error("%s", msg)
             return 1
+    servicer.journal = journal.write
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
         server, port = create_server(f"{bind}:{config.port}", servicer, security=security)
@@ -157,6 +162,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     finally:
         server.stop(grace=1.0).wait(5.0)
         _save(servicer, state_file, params_file, saved_state)
+        journal.close()
         with servicer.cond:
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "calls": dict(servicer.calls.counts),
@@ -172,8 +178,8 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
 def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: dict | None) -> dict:
     """Save the coordinator's state (if it changed) and the leader/center (if they changed)."""
     with servicer.cond:
-        state = servicer.coord.state(servicer.clock())
-    comparable = state | {"elapsed": None}
+        state = servicer.state_dump()
+    comparable = state | {"elapsed": None, "dump": None}
     if comparable != last:
         write_atomic(state_file, json.dumps(state))
     servicer.params.save(params_file)
@@ -203,9 +209,12 @@ def _checkpoint(servicer: GlobalServicer, state_file: Path, params_file: Path,
 
 
 def _restore(servicer: GlobalServicer, state_file: Path, params_file: Path,
-             membership: bool = True) -> None:
+             membership: bool = True, journal: Journal | None = None) -> None:
     state = json.loads(state_file.read_text())
+    if journal is not None:
+        state = journal.load(state)  # newer rounds or members written since that save
     with servicer.cond:
+        servicer.dumps = int(state.get("dump", 0))
         servicer.coord.restore(state, servicer.clock(), membership=membership)
     if params_file.exists():
         servicer.params.load(params_file)
@@ -220,5 +229,20 @@ def process_main(config: JobConfig, conn: object, log_level: int,
 
     logging.basicConfig(level=log_level, format="%(asctime)s global %(levelname)s %(message)s")
     # a restart during a resumed job goes on from the newest state, not the checkpoint again
-    sys.exit(serve(config, ready=conn, security=security, restore=restore,
-                   resume=config.resume and not restore))
+    try:
+        code = serve(config, ready=conn, security=security, restore=restore,
+                     resume=config.resume and not restore)
+    except Exception as exc:  # a bug or a full disk: node 0's supervisor restarts the server
+        log.exception("global server failed")
+        _tell(conn, ("crashed", f"{type(exc).__name__}: {exc}"))
+        sys.exit(1)
+    _tell(conn, ("ended", code))  # its own decision (job over, stopped): not restarted
+    sys.exit(code)
+
+
+def _tell(conn: object, message: tuple) -> None:
+    """Tell node 0 (the ready pipe) how this process ends; it may be gone already."""
+    try:
+        conn.send(message)
+    except (OSError, ValueError):
+        pass

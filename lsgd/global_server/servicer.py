@@ -69,6 +69,17 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self._exchanged = 0  # newest round whose parameter exchange was started
         self.calls = CallCounter()
         self.admission = None  # the server's Admission (caps on streams and polls), once serving
+        # Called (lock held) with the state and whether membership changed, whenever a round
+        # opens, the stop target moves or a node joins, before any node can learn of it
+        # (journal.py writes it), so a restarted server never issues a round id twice.
+        self.journal: Callable[[dict, bool], None] | None = None
+        self._journaled: tuple = (None, None)
+        self.dumps = 0  # numbers every state taken: a restart goes on from the newest
+
+    def state_dump(self) -> dict:
+        """The coordinator's state, numbered (lock held)."""
+        self.dumps += 1
+        return self.coord.state(self.clock()) | {"dump": self.dumps}
 
     # ------------------------------------------------------------------ shared
     def tick(self) -> None:
@@ -103,6 +114,18 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self._after_change()
         if self._state() != before:
             self.cond.notify_all()
+        if self.journal is not None:
+            c = self.coord
+            key = ((c.rounds_opened, c.target, c.stop_reason),
+                   tuple(n.session for n in c.nodes.values()))
+            if key != self._journaled:
+                members = key[1] != self._journaled[1]
+                if members:
+                    self.journal(self.state_dump(), True)
+                else:
+                    self.dumps += 1
+                    self.journal(c.rounds_state() | {"dump": self.dumps}, False)
+                self._journaled = key
         return result
 
     def _state(self) -> tuple:
@@ -128,7 +151,16 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
     def Join(self, request: pb.JoinRequest, context: grpc.ServicerContext) -> pb.JoinResponse:
         def join() -> pb.JoinResponse:
             self._check(request.node)
-            self.params.check_param_count(request.param_count)
+            if request.param_count < 1:
+                raise ParamError("INVALID_ARGUMENT", "param_count must be >= 1")
+            self.coord.check_join(job_id=request.node.job_id, index=request.node.node_index,
+                                  workers=request.num_workers, algorithm=request.algorithm,
+                                  num_groups=request.num_groups)
+            if self.params.param_count is None and request.node.node_index != 0:
+                # Node 0 decides the model size; this node's client retries UNAVAILABLE.
+                raise CoordinatorError("UNAVAILABLE", "waiting for node 0 to join (it decides "
+                                       "the model size)")
+            buffers = self.params.reserve(request.param_count)  # refused before any change
             node = self.coord.join(
                 job_id=request.node.job_id, index=request.node.node_index,
                 workers=request.num_workers, algorithm=request.algorithm,
@@ -137,7 +169,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 unreported=request.unreported, seq=request.seq,
                 unanswered_seq=request.unanswered_seq, unanswered_steps=request.unanswered_steps,
                 replaces_session=request.replaces_session)
-            self.params.set_param_count(request.param_count)
+            self.params.install(request.param_count, buffers)
             # Every node offers its initial parameters until one upload has succeeded.
             return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,
                                    counter=self.coord.done, epoch=self.epoch,

@@ -117,7 +117,13 @@ class GlobalClient:
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
-                if time.monotonic() + delay > end:
+                late = time.monotonic() + delay > end
+                if late and (exc.details() or "").startswith("waiting for node 0"):
+                    raise GlobalUnreachable(  # the server answers: node 0 has not joined
+                        f"node 0 did not join the job at {self.address} within "
+                        f"{connect_timeout:g} s (CONNECT_TIMEOUT); start node 0, or check that "
+                        "it did not fail") from None
+                if late:
                     raise GlobalUnreachable(
                         f"global server at {self.address} unreachable for {connect_timeout:g} s "
                         f"(is node 0 running? check IP_ADDR and PORT, and that TLS_CA, TLS_CERT "

@@ -86,6 +86,10 @@ class RecoveryMixin:
         if self.detached_since is None:
             self.detached_since = time.monotonic()
             self.next_reattach, self.reattach_delay = 0.0, 0.2
+            # Steps on credits of its own until it is back: one global period of the job (the
+            # bound the server allows, Schedule.detached_steps); then its workers wait.
+            cfg = self.cfg
+            self.own_credits = cfg.num_groups * cfg.workers * cfg.g_comm
             log.warning("node %d: lost the global server (%s); training on by itself and "
                         "reattaching (RECONNECT_TIMEOUT %g s)", self.cfg.node_index, why,
                         self.cfg.reconnect_timeout)
@@ -97,6 +101,8 @@ class RecoveryMixin:
             return True
         if now < self.next_reattach:
             return False
+        if (fate := self.global_fate()) is not None:  # node 0's own server is gone for good
+            raise NodeError(fate)
         if now - self.detached_since > self.cfg.reconnect_timeout:
             raise NodeError(f"global server out of reach for {now - self.detached_since:.0f} s "
                             f"(RECONNECT_TIMEOUT); giving up")
@@ -116,15 +122,11 @@ class RecoveryMixin:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.next_reattach = now + self.reattach_delay
                 return False
-            raise
-        if resp.session == old_session:
-            self.report = Report()  # the server counted them and took over the held credits
-        else:  # a new membership: what this node held is void, its steps count as late
-            self._keep_session(resp.session)
-            for w in self.workers:
-                w.outstanding = 0
-            self.pool = 0
-            self.report = Report(late=r.consumed + r.late + self.unanswered[1])
+            # e.g. the server no longer knows this node's session: one line, no retry loop
+            raise NodeError(f"reattaching: {exc.details()} ({exc.code().name})") from None
+        if resp.session != old_session:  # the server refuses unknown sessions; never expected
+            raise NodeError("the global server gave this node a new session on reattaching")
+        self.report = Report()  # the server counted them and took over the held credits
         self.unanswered = (0, 0)
         self.last_round_seen = resp.round_id
         self.round_due = None

@@ -25,6 +25,7 @@ import queue
 import time
 from collections import deque
 from pathlib import Path
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -107,6 +108,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.unanswered: tuple[int, int] = (0, 0)  # (seq, steps) of a credit request in doubt
         self.next_reattach = 0.0
         self.reattach_delay = 0.2
+        self.own_credits = 0  # steps it may still hand out while detached (recovery._detach)
+        self.global_fate: Callable[[], str | None] = lambda: None  # node 0: why its server is gone
         self.param_count = 0
         self.training = False  # the handshake is over
         self.stats_count = 0  # trailing statistics entries, never pulled
@@ -129,8 +132,11 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self.summary["error"] = str(exc)
             return exitcodes.CONFIG
         except (NodeError, GlobalUnreachable) as exc:
-            log.error("node %d: %s", self.cfg.node_index, exc)
-            self.summary["error"] = str(exc)
+            # node 0: the server it started died, which is not a matter of IP_ADDR/PORT
+            fate = self.global_fate() if isinstance(exc, GlobalUnreachable) else None
+            why = fate or str(exc)
+            log.error("node %d: %s", self.cfg.node_index, why)
+            self.summary["error"] = why
             return 1
         except grpc.RpcError as exc:
             log.error("node %d: global server: %s (%s)", self.cfg.node_index, exc.details(), exc.code().name)
@@ -406,11 +412,14 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         """Give credits to waiting workers; returns a round to run, if the server announced one."""
         if self.detached_since is not None and not self._reattach():
             # Train on without the server: credits of the node's own, counted as late steps
-            # when it is back (they are not in any worker's outstanding credits).
-            while self.pending:
+            # when it is back (they are not in any worker's outstanding credits), at most
+            # ``own_credits`` per detachment, a rule the server checks (claims.py).
+            while self.pending and self.own_credits > 0:
                 w = self.workers[self.pending.popleft()]
                 if not w.gone:
-                    self._send(w, m.Credits(max(1, self.share)))
+                    n = min(max(1, self.share), self.own_credits)
+                    self.own_credits -= n
+                    self._send(w, m.Credits(n))
             return None
         if self.round_due is not None:
             answer, self.round_due = self.round_due, None
