@@ -16,6 +16,8 @@ exact, while a node talks to the global server only a few times per round.
 Faults. A node silent for ``node_timeout`` is dropped: its outstanding credits are forfeited
 (free for others), and no round waits for it. A round closes when every expected node has
 reported or ``round_timeout`` has passed; late reports are told they missed it.
+
+Stopping the job (node 0 interrupted or failed): ``stopping.JobStop``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass, field
 
 from ..leader import Candidate, elect
 from ..rules.base import RoundKind
+from .stopping import JobStop
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +132,7 @@ def _due(target: int, every: int, next_at: int) -> tuple[bool, int]:
     return True, (target // every + 1) * every
 
 
-class Coordinator:
+class Coordinator(JobStop):
     """State machine of the global server. Not thread-safe: the caller holds a lock."""
 
     def __init__(self, *, job_id: str, algorithm: str, num_groups: int, workers: int,
@@ -157,6 +160,9 @@ class Coordinator:
         self.next_eval = eval_every  # counter value from which the next global round evaluates
         self.checkpoint_every = checkpoint_every
         self.next_checkpoint = checkpoint_every
+        self.stopped: str | None = None  # the job was stopped (stop_job), for this reason
+        self.stopped_at = 0.0
+        self.told: set[int] = set()  # nodes that have been answered with ``stopped``
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -208,6 +214,8 @@ class Coordinator:
         if job_id != self.job_id:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"job id '{job_id}' does not match the server's '{self.job_id}'")
+        if self.stopped is not None:
+            raise CoordinatorError("FAILED_PRECONDITION", self.stopped)
         if algorithm != self.algorithm or num_groups != self.num_groups or workers != self.workers:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
@@ -309,6 +317,8 @@ class Coordinator:
             raise CoordinatorError("INVALID_ARGUMENT",
                                    f"round {last_round_seen} does not exist yet")
         self._consume(node, consumed, late, released)
+        if self.stopped is not None:  # nothing more to grant; the answer carries the reason
+            return Grant()
         node.last_round_seen = max(node.last_round_seen, last_round_seen)
         self.tick(now)
         rnd = self.round
@@ -361,7 +371,7 @@ class Coordinator:
         log.info("stopping: %s (counter %d)", reason, self.done)
 
     def _maybe_open_round(self, now: float) -> None:
-        if not self.started or self.done < self.target:
+        if not self.started or self.done < self.target or self.stopped is not None:
             return
         if self.round is not None and (self.round.kind == RoundKind.FINAL or not self.round.closed):
             return
