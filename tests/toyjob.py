@@ -7,7 +7,8 @@ TOYJOB_QUIT="<worker>:<step>" ends that worker's loop early (it returns without 
 TOYJOB_NAN="<worker>:<step>" makes its parameters NaN there (a diverged model),
 TOYJOB_RAISE="<worker>:<step>[,<worker>:<step>...]" raises a Python error there (a bug in the
 user's code), TOYJOB_NAN_LOSS=1 reports a NaN loss at every step (a job that never trains),
-TOYJOB_EXIT_SECONDS delays the process's exit by that much (an exit handler, a slow teardown),
+TOYJOB_EXIT_SECONDS="<seconds>[:<evaluator's>]" delays the process's exit by that much (an exit
+handler, a slow teardown; the evaluator's may differ),
 TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With TOYJOB_COUNT_DIR
 set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
 when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
@@ -52,7 +53,8 @@ class WithStats:
 
 def main(worker):
     if os.environ.get("TOYJOB_EXIT_SECONDS"):  # also in the evaluator, whose register() ends it
-        atexit.register(time.sleep, float(os.environ["TOYJOB_EXIT_SECONDS"]))
+        delays = [float(v) for v in os.environ["TOYJOB_EXIT_SECONDS"].split(":")]
+        atexit.register(time.sleep, delays[-1] if worker.is_evaluator else delays[0])
     cfg = worker.config
     rng = np.random.default_rng(cfg.seed + 1000 * worker.worker_id)
     x = np.full(int(os.environ.get("TOYJOB_SIZE", "1000")), 5.0, dtype=np.float32)
