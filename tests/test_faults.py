@@ -66,6 +66,10 @@ def test_a_python_error_in_the_users_loop_is_not_respawned(cluster):
     assert "worker 1 failed: RuntimeError: a bug in the training loop" in node.output
     assert "started again" not in node.output and not node.summary()["respawns"]
     assert global_summary(cluster.run_dir)["counter"] == 3000
+    # ...and says so in its last line and its summary (issue 9, item 3)
+    assert ("lsgd: node 0 finished with problems: worker 1 failed (RuntimeError: a bug in the "
+            "training loop) and was not restarted") in node.output
+    assert node.summary()["exit_code"] == 3 and "worker 1 failed" in node.summary()["stop_reason"]
 
 
 @pytest.mark.timeout(180)
