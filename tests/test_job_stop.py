@@ -183,3 +183,20 @@ def test_how_a_node_names_every_other_end():
     node.client.stopped = "job stopped on node 0: terminated"
     with pytest.raises(JobStopped):
         node._check_stopped()
+
+
+def test_a_global_server_told_to_stop_tells_the_nodes_first(tmp_path):
+    # SIGTERM to the global server alone (serve(): the first one halts the job this way)
+    config = JobConfig(num_groups=2, workers=2, job_id="job", run_dir=str(tmp_path))
+    servicer = build_servicer(config)
+    assert not servicer.halt("terminated")  # no node: nothing to stop, nobody to tell
+    srv, port = create_server("127.0.0.1:0", servicer)
+    try:
+        c = GlobalClient(f"127.0.0.1:{port}", "job", 1, round_timeout=5.0)
+        c.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5)
+        assert servicer.halt("terminated")
+        c.heartbeat()
+        assert c.stopped == "job stopped on node 0: terminated"
+        assert servicer.coord.stop_settled(servicer.clock(), linger=60.0)  # all told: exit now
+    finally:
+        srv.stop(grace=0.5).wait(5)

@@ -125,6 +125,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
             self._loop()
         except BaseException as exc:  # noqa: BLE001 - every end is classified and summarized
             ended = exc
+        finally:
+            self.closing = True  # from here a Ctrl-C cannot cut the shutdown short (cli.py)
         code, reason = self._ended(ended)
         if code == exitcodes.FAILED:
             if isinstance(ended, (NodeError, GlobalUnreachable, grpc.RpcError)):
