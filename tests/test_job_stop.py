@@ -4,7 +4,6 @@ with an injected clock, the same over real gRPC, and how a node classifies its o
 from __future__ import annotations
 
 import signal
-import threading
 from types import SimpleNamespace
 
 import grpc
