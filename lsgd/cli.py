@@ -7,8 +7,17 @@ Examples::
     lsgd train --node-index 1 --num-groups 2 --ip-addr 10.0.0.1  # on node 1
 
 Every flag has an environment variable in ``train.sh``; ``lsgd train --help`` lists them all.
-Exit status: 0 when the job finished, 1 on a runtime failure, 2 on a bad configuration,
-130 when interrupted.
+
+Exit status (``lsgd/exitcodes.py``; the last lines say what happened)::
+
+    0    the job finished
+    1    this node failed (global server lost for good, no worker left, an internal error)
+    2    bad configuration or input (one line names it)
+    3    the job finished, but with problems: a worker failed and was not restarted, every
+         loss was non-finite, or (LSGD) no leader was ever elected
+    4    the job was stopped on node 0 (interrupted, or failed); this node stopped cleanly
+    130  SIGINT (Ctrl-C) on this node; on node 0 it stops the whole job
+    143  SIGTERM on this node; on node 0 it stops the whole job
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -26,8 +36,9 @@ import threading
 import typing
 from pathlib import Path
 
+from . import exitcodes
 from .config import ConfigError, JobConfig, fields
-from .files import private_dir
+from .files import private_dir, write_atomic
 from .security import Security, SecurityError, is_loopback
 from .worker.process import check_entry
 
@@ -46,8 +57,8 @@ class _Parser(argparse.ArgumentParser):
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="lsgd", description="LSGD / EASGD parameter server")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    train = sub.add_parser("train", help="run one node of a job",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    train = sub.add_parser("train", help="run one node of a job", formatter_class=_HelpFormatter,
+                           epilog=_exit_status())
     hints = typing.get_type_hints(JobConfig)
     for f in fields():
         kind = hints[f.name]
@@ -78,8 +89,37 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def _exit_status() -> str:
+    """The exit-status table of this module's docstring, for ``--help``."""
+    if not __doc__ or "Exit status" not in __doc__:  # python -OO strips docstrings
+        return "exit status: see lsgd/exitcodes.py"
+    return "exit status:" + __doc__.split("Exit status", 1)[1].split("::", 1)[1]
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the flags' help; the exit-status table kept as written."""
+
+
+class _Signals:
+    """SIGINT/SIGTERM: the first one interrupts the node (``KeyboardInterrupt(signum)``); any
+    later one, or one that arrives while the node is already shutting down, is only noted, so
+    that the shutdown (stopping workers, removing shared memory, the summary) always finishes."""
+
+    def __init__(self) -> None:
+        self.first: int | None = None
+        self.server: object | None = None  # the LocalServer, once it exists
+        self._told = False
+
+    def handle(self, signum: int, frame: object) -> None:
+        if self.first is None and not getattr(self.server, "closing", False):
+            self.first = signum
+            raise KeyboardInterrupt(signum)
+        if not self._told:
+            self._told = True
+            print("lsgd: already stopping; please wait a few seconds", file=sys.stderr, flush=True)
+
+
+_signals = _Signals()
 
 
 def _start_global(config: JobConfig, level: int, security: Security,
@@ -228,8 +268,8 @@ def train(config: JobConfig, level: int, security: Security) -> int:
     # One BLAS thread per worker process: workers already use every core.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
-    global_proc, supervisor = None, None
-    code = 1
+    global_proc, supervisor, server = None, None, None
+    code = exitcodes.FAILED
     try:
         port = config.port
         if config.node_index == 0:
@@ -241,26 +281,52 @@ def train(config: JobConfig, level: int, security: Security) -> int:
         server = LocalServer(config, f"{config.ip_addr}:{port}", level, security)
         if supervisor is not None:
             server.global_fate = supervisor.fate
+        _signals.server = server
         code = server.run()
         _print_summary(server.summary, code)
-    except KeyboardInterrupt:
-        code = 130
+    except KeyboardInterrupt as exc:  # before the node ran: no workers yet
+        code = exitcodes.TERMINATED if exc.args == (signal.SIGTERM,) else exitcodes.INTERRUPTED
+        _early_summary(config, code, "terminated" if code == exitcodes.TERMINATED else "interrupted")
     except RuntimeError as exc:
         log.error("%s", exc)
-        code = 1
+        code = exitcodes.FAILED
+        _early_summary(config, code, str(exc))
     finally:
         if supervisor is not None:
             global_proc = supervisor.stop()
         if global_proc is not None:
-            _stop_global(global_proc, wait=config.node_timeout + 5 if code == 0 else 0)
-            if code == 0 and global_proc.exitcode not in (0, None):
+            finished = code in (exitcodes.OK, exitcodes.DEGRADED)
+            # not finished: SIGTERM, and the server tells the nodes that are left (a few s)
+            _stop_global(global_proc, wait=config.node_timeout + 5 if finished else 0)
+            if finished and global_proc.exitcode not in (0, None):
                 log.error("global server exited with code %s", global_proc.exitcode)
-                code = 1
+                code = exitcodes.FAILED
     return code
 
 
+def _early_summary(config: JobConfig, code: int, reason: str) -> None:
+    """The node's summary when it ended before its local server ran (or could write one)."""
+    path = Path(config.run_dir) / f"node{config.node_index}" / "summary.json"
+    try:
+        write_atomic(path, json.dumps({"node": config.node_index, "stop_reason": reason,
+                                       "exit_code": code}, indent=2))
+    except OSError as exc:
+        log.warning("cannot write %s: %s", path, exc)
+
+
 def _print_summary(summary: dict, code: int) -> None:
-    if code != 0:
+    node = summary.get("node")
+    reason = summary.get("stop_reason", "")
+    if code == exitcodes.STOPPED:
+        print(f"lsgd: node {node}: {reason}", flush=True)
+        return
+    if code in (exitcodes.INTERRUPTED, exitcodes.TERMINATED):
+        also = "; the job was stopped on every node" if summary.get("stopped_job") else ""
+        print(f"lsgd: node {node}: {reason}{also}", flush=True)
+        return
+    if code not in (exitcodes.OK, exitcodes.DEGRADED):
+        if summary.get("stopped_job"):  # the error itself was logged as it happened
+            print(f"lsgd: node {node}: the job was stopped on every node", flush=True)
         return
     lines = [f"lsgd: node {summary.get('node')} finished in {summary.get('seconds', 0):.1f} s; "
              f"global counter {summary.get('counter')}; this node's workers did "
@@ -274,6 +340,9 @@ def _print_summary(summary: dict, code: int) -> None:
             parts.append(f"{label} {ev[name]['accuracy']:.4f}")
     if parts:
         lines.append("lsgd: test accuracy: " + ", ".join(parts))
+    if code == exitcodes.DEGRADED:
+        lines.append(f"lsgd: node {node} finished with problems: "
+                     + "; ".join(summary.get("problems", [])) + f" (exit code {code})")
     print("\n".join(lines), flush=True)
 
 
@@ -312,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     # Explicit handlers: a node started in the background may inherit SIGINT as ignored.
-    signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _signals.handle)
+    signal.signal(signal.SIGINT, _signals.handle)
     if config.resume:
         wanted = [Path(config.run_dir) / f"node{config.node_index}" / "checkpoint.json"]
         if config.node_index == 0:

@@ -68,7 +68,7 @@ def test_bfloat16_wire_between_two_nodes(cluster, algorithm):
 def test_worker_killed_mid_run_does_not_hang_the_job(cluster):
     # worker 1 SIGKILLs itself at its 300th step; with RESPAWN=0 the node goes on without it
     node = cluster(0, PORT=0, ITERATIONS=4000, ROUND_TIMEOUT=3, RESPAWN=0, TOYJOB_DIE="1:300", **TOY)
-    assert node.wait(90) == 0, node.output
+    assert node.wait(90) == 3, node.output  # finished, but without a worker: DEGRADED
     assert re.search(r"worker 1 left the job: process exited with code -9", node.output)
     s = node.summary()
     assert s["workers"]["0"] > 2000 and s["workers"]["1"] < 300
@@ -203,6 +203,6 @@ def test_signal_stops_everything_and_removes_shared_memory(cluster, sig, inherit
     assert len(metrics.read_text().splitlines()) >= 3, node.output
     import os
     os.killpg(node.proc.pid, sig) if sig == signal.SIGINT else node.proc.send_signal(sig)
-    assert node.wait(20) == 130, node.output
+    assert node.wait(20) == (130 if sig == signal.SIGINT else 143), node.output
     assert "Traceback" not in node.output
     assert_clean_exit(cluster.run_dir, [node])

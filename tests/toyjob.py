@@ -5,7 +5,10 @@ to ``<dir>/<worker_id>.died``),
 TOYJOB_STALL="<worker>:<step>[:<seconds>]" makes it sleep there (600 s by default),
 TOYJOB_QUIT="<worker>:<step>" ends that worker's loop early (it returns without being told to),
 TOYJOB_NAN="<worker>:<step>" makes its parameters NaN there (a diverged model),
-TOYJOB_RAISE="<worker>:<step>" raises a Python error there (a bug in the user's code),
+TOYJOB_RAISE="<worker>:<step>[,<worker>:<step>...]" raises a Python error there (a bug in the
+user's code), TOYJOB_NAN_LOSS=1 reports a NaN loss at every step (a job that never trains),
+TOYJOB_EXIT_SECONDS="<seconds>[:<evaluator's>]" delays the process's exit by that much (an exit
+handler, a slow teardown; the evaluator's may differ),
 TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With TOYJOB_COUNT_DIR
 set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
 when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
@@ -14,11 +17,18 @@ TOYJOB_SIZE sets the number of parameters (1000). TOYJOB_MOMENTUM=1 uses a momen
 writes the norm of the buffer it got back to ``<dir>/<worker_id>.velocity``.
 """
 
+import atexit
+import math
 import os
 import signal
 import time
 
 import numpy as np
+
+
+def _faults(name):
+    return {tuple(float(v) for v in spec.split(":")) for spec in os.environ.get(name, "").split(",")
+            if spec}
 
 
 def _fault(name):
@@ -42,6 +52,9 @@ class WithStats:
 
 
 def main(worker):
+    if os.environ.get("TOYJOB_EXIT_SECONDS"):  # also in the evaluator, whose register() ends it
+        delays = [float(v) for v in os.environ["TOYJOB_EXIT_SECONDS"].split(":")]
+        atexit.register(time.sleep, delays[-1] if worker.is_evaluator else delays[0])
     cfg = worker.config
     rng = np.random.default_rng(cfg.seed + 1000 * worker.worker_id)
     x = np.full(int(os.environ.get("TOYJOB_SIZE", "1000")), 5.0, dtype=np.float32)
@@ -62,7 +75,8 @@ def main(worker):
             f.write(repr(float(np.linalg.norm(velocity))))
     delay = float(os.environ.get("TOYJOB_STEP_SECONDS", "0"))
     die, stall, quit_at = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL"), _fault("TOYJOB_QUIT")
-    nan_at, raise_at = _fault("TOYJOB_NAN"), _fault("TOYJOB_RAISE")
+    nan_at, raise_at = _fault("TOYJOB_NAN"), _faults("TOYJOB_RAISE")
+    nan_loss = os.environ.get("TOYJOB_NAN_LOSS") == "1"
     step = 0
     while True:
         step += 1
@@ -73,7 +87,7 @@ def main(worker):
             os.kill(os.getpid(), signal.SIGKILL)
         if (worker.worker_id, step) == stall[:2]:
             time.sleep(stall[2] if len(stall) > 2 else 600)
-        if (worker.worker_id, step) == raise_at:
+        if (worker.worker_id, step) in raise_at:
             raise RuntimeError("a bug in the training loop")
         if (worker.worker_id, step) == nan_at:
             x[::7] = np.nan
@@ -86,7 +100,7 @@ def main(worker):
             x -= np.float32(cfg.lr) * (x - target + noise)
         if delay:
             time.sleep(delay)
-        if not worker.step(float(np.mean((x - target) ** 2))):
+        if not worker.step(math.nan if nan_loss else float(np.mean((x - target) ** 2))):
             break
         if (worker.worker_id, step) == quit_at:
             break

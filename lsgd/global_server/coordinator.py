@@ -16,6 +16,8 @@ exact, while a node talks to the global server only a few times per round.
 Faults. A node silent for ``node_timeout`` is dropped: its outstanding credits are forfeited
 (free for others), and no round waits for it. A round closes when every expected node has
 reported or ``round_timeout`` has passed; late reports are told they missed it.
+
+Stopping the job (node 0 interrupted or failed): ``stopping.JobStop``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass, field
 from ..leader import Candidate, elect
 from ..rules.base import RoundKind
 from . import claims
+from .stopping import JobStop
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +145,7 @@ def _due(target: int, every: int, next_at: int) -> tuple[bool, int]:
     return True, (target // every + 1) * every
 
 
-class Coordinator:
+class Coordinator(JobStop):
     """State machine of the global server. Not thread-safe: the caller holds a lock."""
 
     def __init__(self, *, job_id: str, algorithm: str, num_groups: int, workers: int,
@@ -170,7 +173,10 @@ class Coordinator:
         self.next_eval = eval_every  # counter value from which the next global round evaluates
         self.checkpoint_every = checkpoint_every
         self.next_checkpoint = checkpoint_every
-        self.stopped_at: float | None = None  # when stop_reason was set
+        self.stop_reason_at: float | None = None  # when stop_reason was set (budget, MINUTES)
+        self.stopped: str | None = None  # the job was stopped (stop_job), for this reason
+        self.stopped_at = 0.0
+        self.told: set[int] = set()  # nodes that have been answered with ``stopped``
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -272,6 +278,8 @@ class Coordinator:
         if job_id != self.job_id:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"job id '{job_id}' does not match the server's '{self.job_id}'")
+        if self.stopped is not None:
+            raise CoordinatorError("FAILED_PRECONDITION", self.stopped)
         if algorithm != self.algorithm or num_groups != self.num_groups or workers != self.workers:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
@@ -379,6 +387,8 @@ class Coordinator:
             raise CoordinatorError("INVALID_ARGUMENT",
                                    f"round {last_round_seen} does not exist yet")
         self._consume(node, consumed, late, released)
+        if self.stopped is not None:  # nothing more to grant; the answer carries the reason
+            return Grant()
         node.last_round_seen = max(node.last_round_seen, last_round_seen)
         self.tick(now)
         rnd = self.round
@@ -428,7 +438,7 @@ class Coordinator:
         """Grant nothing more; the final round opens once granted credits are used, or
         ``round_timeout`` after the stop (``_forfeit_after_stop``)."""
         self.stop_reason = reason
-        self.stopped_at = now
+        self.stop_reason_at = now
         if self.round is None or self.round.kind != RoundKind.FINAL:
             self.target = min(self.target, self.done + self.outstanding)
             self.target_kind = RoundKind.FINAL
@@ -439,10 +449,10 @@ class Coordinator:
         they are forfeited (steps on them count as late) and the final round opens."""
         if self.stop_reason is None or self.target_kind != RoundKind.FINAL or self.finishing:
             return
-        if self.stopped_at is None:
-            self.stopped_at = now
+        if self.stop_reason_at is None:
+            self.stop_reason_at = now
         held = {n.index: n.outstanding for n in self.nodes.values() if n.alive and n.outstanding}
-        if not held or now - self.stopped_at < self.round_timeout:
+        if not held or now - self.stop_reason_at < self.round_timeout:
             return
         log.warning("stopping: credits still held %g s after the stop (node: credits %s); the "
                     "final round opens without them (steps on them count as late)",
@@ -459,7 +469,7 @@ class Coordinator:
         return self.round is not None and self.round.kind == RoundKind.FINAL
 
     def _maybe_open_round(self, now: float) -> None:
-        if not self.started or self.done < self.target:
+        if not self.started or self.done < self.target or self.stopped is not None:
             return
         if self.round is not None and (self.round.kind == RoundKind.FINAL or not self.round.closed):
             return

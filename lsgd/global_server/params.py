@@ -308,6 +308,15 @@ class ParamStore:
                 ops.scale_(self.buffers[SUM], 1.0 / ex.summands)  # SUM now holds the average
         self._cond.notify_all()
 
+    def abort(self, why: str) -> None:
+        """The job was stopped: settle the exchange in progress now (downloads waiting for it
+        stop waiting; what has not arrived is missing)."""
+        with self._cond:
+            ex = self.exchange
+            if ex is not None and not ex.settled:
+                ex.failed.append(why)
+                self._maybe_settle()
+
     def poll(self) -> None:
         """Settle an exchange whose deadline has passed (called by the server's ticker)."""
         with self._cond:

@@ -2,7 +2,10 @@
 
 ``create_server(address, servicer)`` binds (port 0 picks a free port) and returns
 ``(server, port)``. ``serve(config, ...)`` runs the whole process until the job has finished and
-every node has left (or been dropped), or until SIGINT/SIGTERM.
+every node has left (or been dropped), or the job was stopped and every node has been told.
+SIGTERM before the job's end stops the job (the nodes are told, as when node 0 stops it); a
+second SIGTERM stops the server at once. In node 0's process group, SIGINT (Ctrl-C) is left to
+node 0, which stops the job.
 """
 
 from __future__ import annotations
@@ -35,6 +38,12 @@ SERVER_OPTIONS = GRPC_OPTIONS + [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),  # accept the clients' keepalive
     ("grpc.so_reuseport", 0),  # a second server on the same port fails instead of sharing it
 ]
+
+
+def stop_linger(config: JobConfig) -> float:
+    """Seconds the server serves on after a job stop so that every node hears of it: two
+    heartbeats of the nodes (``LocalServer``: every ``min(1, node_timeout/5)`` s) and a margin."""
+    return 2 * min(1.0, config.node_timeout / 5) + 1.0
 
 
 def build_servicer(config: JobConfig) -> GlobalServicer:
@@ -100,10 +109,15 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         resume: start a stopped job again from its last checkpoint (``RESUME=1``): counter,
             rounds, leader and center as they were at the checkpoint round; nodes join afresh.
     """
-    stop = stop_event or threading.Event()
+    stop = stop_event or threading.Event()  # stop serving now
+    halt = threading.Event()  # stop the job: tell the nodes, then stop serving
     if threading.current_thread() is threading.main_thread():
+        def on_signal(*_: object) -> None:
+            (stop if halt.is_set() else halt).set()
+
         for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+            if signal.getsignal(sig) != signal.SIG_IGN:
+                signal.signal(sig, on_signal)
     servicer = build_servicer(config)
     out = Path(config.run_dir) / "global"
     private_dir(out)
@@ -142,8 +156,14 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     t0 = time.monotonic()
     parent = os.getppid()
     saved_state, next_save = None, t0
+    linger, why, halting = stop_linger(config), "stopped", False
     try:
         while not stop.wait(0.1):
+            if halt.is_set() and not halting:
+                halting = True
+                if not servicer.halt("terminated") and coord.stopped is None:
+                    why = "stopped by a signal"
+                    break  # nothing to stop (finished, or no node): nobody to tell
             servicer.tick()
             if servicer.checkpoint_due is not None:
                 _checkpoint(servicer, ckpt_file, ckpt_params, config.round_timeout, params_file)
@@ -152,27 +172,36 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                 next_save = time.monotonic() + config.state_every
             with servicer.cond:
                 if coord.all_gone:
+                    why = "every node left"
                     break
+                if coord.stop_settled(servicer.clock(), linger):
+                    break  # the job was stopped and every node has been told
                 if not coord.nodes and time.monotonic() - t0 > config.join_timeout:
-                    log.error("no node joined within %g s", config.join_timeout)
+                    why = f"no node joined within {config.join_timeout:g} s"
+                    log.error("%s", why)
                     break
             if ready is not None and os.getppid() != parent:
-                log.error("node 0 (which started this server) exited; stopping")
+                why = "node 0 (which started this server) exited"
+                log.error("%s; stopping", why)
                 break
     finally:
         server.stop(grace=1.0).wait(5.0)
         _save(servicer, state_file, params_file, saved_state)
         journal.close()
         with servicer.cond:
+            # an orderly end: the job finished, or was stopped and its nodes told
+            code = 0 if coord.finished or coord.stopped is not None else 1
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "calls": dict(servicer.calls.counts),
                                           "refused": dict(servicer.admission.refused),
                                           "cancelled": dict(servicer.admission.cancelled),
-                                          "seconds": round(time.monotonic() - t0, 3)}
+                                          "seconds": round(time.monotonic() - t0, 3),
+                                          "exit_code": code}
+            summary["stop_reason"] = coord.stop_reason or why
         write_atomic(out / "summary.json", json.dumps(summary, indent=2, default=str))
         log.info("global server stopped: counter %d, %d rounds, %s", coord.done,
-                 coord.rounds_opened, coord.stop_reason)
-    return 0 if coord.finished else 1
+                 coord.rounds_opened, summary["stop_reason"])
+    return code
 
 
 def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: dict | None) -> dict:
@@ -228,6 +257,9 @@ def process_main(config: JobConfig, conn: object, log_level: int,
     import sys
 
     logging.basicConfig(level=log_level, format="%(asctime)s global %(levelname)s %(message)s")
+    # Ctrl-C reaches node 0's whole process group: node 0 decides (it stops the job, and then
+    # this server); SIGTERM stops the job from here.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     # a restart during a resumed job goes on from the newest state, not the checkpoint again
     try:
         code = serve(config, ready=conn, security=security, restore=restore,

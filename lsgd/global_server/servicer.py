@@ -93,6 +93,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         rnd = self.coord.round
         if rnd is None or not rnd.closed or rnd.id <= self._exchanged or rnd.kind == RoundKind.LOCAL:
             return
+        if self.coord.stopped is not None:  # a round closed by a job stop exchanges nothing
+            return
         self._exchanged = rnd.id
         self.closed.notify_all()
         self.cond.notify_all()
@@ -181,7 +183,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         def beat() -> pb.HeartbeatResponse:
             self._check(request.node)
             self.coord.heartbeat(request.node.node_index, request.node.session, self.clock())
-            return pb.HeartbeatResponse(counter=self.coord.done, epoch=self.epoch)
+            return pb.HeartbeatResponse(counter=self.coord.done, epoch=self.epoch,
+                                        stopped=self.coord.stopped_for(request.node.node_index))
 
         return self._call(context, beat)
 
@@ -204,7 +207,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                         break
                     self.cond.wait(min(left, 0.1))
                 resp = pb.AcquireCreditsResponse(grant=grant.grant, counter=self.coord.done,
-                                                 epoch=self.epoch)
+                                                 epoch=self.epoch,
+                                                 stopped=self.coord.stopped_for(node.node_index))
                 if grant.round is not None:
                     resp.round.id = grant.round.id
                     resp.round.kind = int(grant.round.kind)
@@ -230,13 +234,14 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                     if not self.closed.wait(0.1):
                         self._change(lambda: self.coord.tick(self.clock()))
                     out = self.coord.outcome(node.node_index, request.round_id)
+                stopped = self.coord.stopped_for(node.node_index)
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)
         if not out.ready:
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.round_id} did not close")
         resp = pb.ReportRoundResponse(missed=out.missed, participants=out.participants,
                                       nodes=list(out.nodes), evaluate=out.evaluate,
-                                      checkpoint=out.checkpoint)
+                                      checkpoint=out.checkpoint, stopped=stopped)
         if out.leader is not None:
             resp.has_leader = True
             resp.leader.worker_id = out.leader.worker_id
@@ -299,8 +304,24 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         def leave() -> pb.LeaveResponse:
             self._check(request.node)
-            self.coord.leave(request.node.node_index, request.node.session, request.consumed,
-                             request.late_consumed, self.clock())
+            if request.stop_job:  # node 0 stops the whole job (interrupted, failed)
+                self.coord.stop_job(request.node.node_index, request.node.session,
+                                    request.stop_job, request.consumed, request.late_consumed,
+                                    self.clock())
+                self.params.abort(self.coord.stopped or "job stopped")
+            else:
+                self.coord.leave(request.node.node_index, request.node.session, request.consumed,
+                                 request.late_consumed, self.clock())
             return pb.LeaveResponse(counter=self.coord.done)
 
         return self._call(context, leave)
+
+    def halt(self, reason: str) -> bool:
+        """The global server itself was told to stop (SIGTERM) before the job ended: stop the
+        job as node 0 would, so that the nodes are told. False if there is nothing to stop."""
+        with self.cond:
+            if not self._change(lambda: self.coord.live_nodes and self.coord.halt(
+                    f"job stopped on node 0: {reason}", self.clock())):
+                return False
+        self.params.abort(reason)
+        return True

@@ -39,6 +39,20 @@ class GlobalUnreachable(RuntimeError):
     """The global server could not be reached within the allowed time."""
 
 
+# The start of the reason the global server gives (in ``stopped`` fields, and refusing a Join)
+# once node 0 has stopped the job.
+JOB_STOPPED = "job stopped on node 0"
+
+
+def stop_reason_of(exc: grpc.RpcError) -> str | None:
+    """The job-stop reason when ``exc`` is the server refusing a call because the job was
+    stopped; None for any other error."""
+    details = exc.details() or ""
+    if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(JOB_STOPPED):
+        return details
+    return None
+
+
 @dataclass(frozen=True)
 class CreditAnswer:
     grant: int
@@ -71,6 +85,7 @@ class GlobalClient:
         self.epoch = 0  # the server process's; changes when it restarts
         self._seq = 0  # credit requests (and reattaching joins) numbered per session
         self._join_seq = 0  # the number of a reattach not answered yet
+        self.stopped = ""  # non-empty once an answer said the job was stopped (the reason)
         security = security or Security()
         self._md = security.metadata  # none: the channel signs every call with the job secret
         self._channel = security.channel(address, CHANNEL_OPTIONS)
@@ -132,8 +147,10 @@ class GlobalClient:
                 delay = min(delay * 2, 2.0)
 
     def heartbeat(self) -> int:
-        return self._stub.Heartbeat(pb.HeartbeatRequest(node=self._node()), timeout=RPC_TIMEOUT,
-                                    metadata=self._md).counter
+        resp = self._stub.Heartbeat(pb.HeartbeatRequest(node=self._node()), timeout=RPC_TIMEOUT,
+                                    metadata=self._md)
+        self.stopped = self.stopped or resp.stopped
+        return resp.counter
 
     @property
     def last_seq(self) -> int:
@@ -148,6 +165,7 @@ class GlobalClient:
                                      released=released, want=want, last_round_seen=last_round_seen,
                                      max_wait_ms=int(max_wait * 1000), seq=self._seq),
             timeout=RPC_TIMEOUT, metadata=self._md)
+        self.stopped = self.stopped or resp.stopped
         return CreditAnswer(resp.grant, resp.round.id, resp.round.kind, resp.round.iteration,
                             resp.counter)
 
@@ -158,14 +176,17 @@ class GlobalClient:
             req.best.worker_id = best.worker_id
             req.best.loss = best.loss
         resp = self._stub.ReportRound(req, timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
+        self.stopped = self.stopped or resp.stopped
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
         return RoundAnswer(resp.missed, leader, resp.leader_node if resp.has_leader else None,
                            resp.participants, tuple(resp.nodes), resp.evaluate, resp.checkpoint)
 
-    def leave(self, consumed: int, late: int) -> int:
+    def leave(self, consumed: int, late: int, stop_job: str = "",
+              timeout: float = RPC_TIMEOUT) -> int:
+        """Leave the job; ``stop_job`` (node 0 only): stop the whole job, for this reason."""
         return self._stub.Leave(pb.LeaveRequest(node=self._node(), consumed=consumed,
-                                                late_consumed=late),
-                                timeout=RPC_TIMEOUT, metadata=self._md).counter
+                                                late_consumed=late, stop_job=stop_job),
+                                timeout=timeout, metadata=self._md).counter
 
     # ------------------------------------------------------------------ parameters
     # Chunks travel as hand-encoded protobuf bytes (the wire format of lsgd.proto, unchanged):

@@ -42,6 +42,7 @@ from ..worker.client import WorkerContext
 from ..worker.process import worker_main
 from . import checkpoint
 from . import messages as m
+from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
 from .global_client import RPC_TIMEOUT, CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
 from .liveness import LoopBeat
@@ -66,7 +67,7 @@ RECOVERABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
 
 
-class LocalServer(EvaluationMixin, RecoveryMixin):
+class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
     """Runs one node of a job. ``run()`` returns the process exit code."""
 
     def __init__(self, config: JobConfig, address: str, log_level: int = logging.INFO,
@@ -118,36 +119,41 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.resets: dict[int, int] = {}  # worker id -> resets after non-finite values
         self.evaluator: Evaluator | None = None
         self.repeats = RepeatedLog(log)  # warnings that may come every round: once, then counted
+        self.ending = {"rounds": 0, "healthy": 0, "elected": 0}  # rounds seen here (ending.py)
+        self.stop_sent_at: float | None = None  # when the workers were told to stop
+        self.closing = False  # shutting down: a second Ctrl-C must not interrupt it
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
+        """Run the node until the job ends; returns the exit code (``lsgd.exitcodes``).
+
+        ``summary["stop_reason"]`` says why it ended, on every path (``ending.py``).
+        """
+        ended: BaseException | None = None
         try:
             self._wait_for_global()
             self._start_workers()
             self._handshake()
             self._loop()
-            return 0
-        except SharedMemoryTooSmall as exc:
-            log.error("node %d: %s", self.cfg.node_index, exc)
-            self.summary["error"] = str(exc)
-            return exitcodes.CONFIG
-        except (NodeError, GlobalUnreachable) as exc:
-            # node 0: the server it started died, which is not a matter of IP_ADDR/PORT
-            fate = self.global_fate() if isinstance(exc, GlobalUnreachable) else None
-            why = fate or str(exc)
-            log.error("node %d: %s", self.cfg.node_index, why)
-            self.summary["error"] = why
-            return 1
-        except grpc.RpcError as exc:
-            log.error("node %d: global server: %s (%s)", self.cfg.node_index, exc.details(), exc.code().name)
-            self.summary["error"] = str(exc.details())
-            return 1
-        except KeyboardInterrupt:
-            log.warning("node %d interrupted; stopping workers", self.cfg.node_index)
-            self.summary["error"] = "interrupted"
-            return 130
+        except BaseException as exc:  # noqa: BLE001 - every end is classified and summarized
+            ended = exc
         finally:
-            self._shutdown()
+            self.closing = True  # from here a Ctrl-C cannot cut the shutdown short (cli.py)
+        code, reason = self._ended(ended)
+        if code == exitcodes.CONFIG:
+            log.error("node %d: %s", self.cfg.node_index, reason)
+            self.summary["error"] = reason
+        elif code == exitcodes.FAILED:
+            if isinstance(ended, (NodeError, GlobalUnreachable, grpc.RpcError)):
+                log.error("node %d: %s", self.cfg.node_index, reason)
+            else:
+                log.error("node %d: %s", self.cfg.node_index, reason, exc_info=ended)
+            self.summary["error"] = reason
+        elif code in (exitcodes.INTERRUPTED, exitcodes.TERMINATED):
+            log.warning("node %d %s; stopping workers", self.cfg.node_index, reason)
+            self.summary["error"] = reason
+        self._shutdown(code, reason)
+        return code
 
     def _wait_for_global(self) -> None:
         try:
@@ -174,7 +180,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         proc.start()
         return proc, replies
 
-    def _shutdown(self) -> None:
+    def _shutdown(self, code: int = exitcodes.FAILED, reason: str = "") -> None:
+        self.closing = True
+        self._announce_stop(code, reason)  # node 0 ending early: first tell the other nodes
         self.liveness.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
@@ -182,12 +190,17 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         for w in procs:
             if w.proc.is_alive():
                 self._send(w, m.Stop("node shutting down"))
-        end = time.monotonic() + (0.5 if self.stopping else STOP_GRACE)  # stopping: waited already
+        # Each worker gets STOP_GRACE from its first Stop to exit (it may still be tearing down
+        # its interpreter after its last message), and at least a moment from now.
+        now = time.monotonic()
+        since = self.stop_sent_at if self.stop_sent_at is not None else now
+        end = max(now + 0.5, since + STOP_GRACE)
         for w in procs:
             w.proc.join(max(0.0, end - time.monotonic()))
         for w in procs:
             if w.proc.is_alive():
-                log.warning("%s did not stop in %g s; terminating", w.proc.name, STOP_GRACE)
+                log.warning("%s did not stop in %.1f s; terminating", w.proc.name,
+                            time.monotonic() - since)
                 w.proc.terminate()
                 w.proc.join(2.0)
                 if w.proc.is_alive():
@@ -200,8 +213,11 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self.store.close(unlink=True)
             self.store = None
         self.metrics.close()
+        self._leave_stopped(code)
         self.client.close()
         self.summary.setdefault("node", self.cfg.node_index)
+        self.summary["stop_reason"] = reason or "unknown"
+        self.summary["exit_code"] = code
         self.summary["workers"] = {w.worker_id: w.iterations for w in self.workers}
         self.summary["pids"] = [os.getpid()] + [w.proc.pid for w in procs]
         if self.evaluator is not None:
@@ -263,6 +279,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
 
     def _recv(self, timeout: float = POLL) -> object | None:
         self.beat.value = time.time()
+        self._check_stopped()
         try:
             msg = self.inbox.get(timeout=timeout)
         except queue.Empty:
@@ -485,6 +502,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         joins = {i: j for i, j in joins.items() if j.healthy}
         cands = [Candidate(self.workers[i].worker_id, j.loss) for i, j in joins.items()]
         best = elect(cands)
+        self._note_election(len(joins), best)
         local_of = {w.worker_id: w.local for w in self.workers}
         # A node buffer a late worker still pulls toward is not rewritten: pulls toward it are
         # left out of this round instead (rounds.py).
@@ -649,6 +667,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
                 self._detach(f"{exc.code().name}: {exc.details()}")
             log.warning("round %d: report failed (%s); skipping its exchange", rid, exc.details())
             return None
+        self._check_stopped()  # a round closed by a job stop: no exchange
         if answer.missed:
             self.repeats.warning("reported too late",
                                  "round %d: this node reported too late; skipping its exchange", rid)
@@ -730,6 +749,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
     def _stop_workers(self) -> None:
         """Send Stop and collect the last reports (steps of late workers count too)."""
         self.stopping = True
+        self.stop_sent_at = time.monotonic()
         for w in self._live():
             self._send(w, m.Stop("job finished"))
         end = time.monotonic() + STOP_GRACE
