@@ -32,12 +32,14 @@ def test_a_stop_from_node_0_is_recorded_and_every_later_answer_carries_it():
     c = make(iters=10**6)
     s = running(c)
     held = c.nodes[1].outstanding
-    c.stop_job(0, s[0], "interrupted", consumed=0, late=7, now=1.0)
+    mine = acq(c, s, 0).grant  # node 0 steps on credits too
+    assert mine > 0
+    c.stop_job(0, s[0], "interrupted", consumed=mine, late=0, now=1.0)
     assert c.stopped == c.stop_reason == "job stopped on node 0: interrupted"
-    assert c.nodes[0].left and c.done == 7  # node 0's last steps are counted
+    assert c.nodes[0].left and c.done == mine  # node 0's last steps are counted
     assert c.stopped_for(1) == c.stopped and 1 in c.told
     g = acq(c, s, 1, consumed=held, now=1.1)  # steps are still counted; nothing more granted
-    assert (g.grant, g.round, g.wait) == (0, None, False) and c.done == 7 + held
+    assert (g.grant, g.round, g.wait) == (0, None, False) and c.done == mine + held
     assert c.round is None  # no round opens after a stop, though the counter moved
     for resume in (0, s[1]):  # a fresh join and a reattach: refused, naming the reason
         with pytest.raises(CoordinatorError) as e:
@@ -119,7 +121,7 @@ def test_over_grpc_a_stop_reaches_the_other_node_and_its_rejoin(tmp_path):
         with pytest.raises(grpc.RpcError) as e:  # node 1 cannot stop the job
             clients[1].leave(0, 0, stop_job="me")
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and servicer.coord.stopped is None
-        clients[0].leave(0, 3, stop_job="interrupted")
+        clients[0].leave(0, 0, stop_job="interrupted")
         clients[1].heartbeat()
         assert clients[1].stopped == "job stopped on node 0: interrupted"
         answer = clients[1].acquire(consumed=0, late=0, released=0, want=5, last_round_seen=0,
@@ -191,11 +193,15 @@ def test_a_global_server_told_to_stop_tells_the_nodes_first(tmp_path):
     assert not servicer.halt("terminated")  # no node: nothing to stop, nobody to tell
     srv, port = create_server("127.0.0.1:0", servicer)
     try:
+        node0 = GlobalClient(f"127.0.0.1:{port}", "job", 0, round_timeout=5.0)
+        node0.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5)
         c = GlobalClient(f"127.0.0.1:{port}", "job", 1, round_timeout=5.0)
         c.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5)
         assert servicer.halt("terminated")
         c.heartbeat()
         assert c.stopped == "job stopped on node 0: terminated"
+        assert not servicer.coord.stop_settled(servicer.clock(), linger=60.0)  # node 0 not told
+        node0.heartbeat()
         assert servicer.coord.stop_settled(servicer.clock(), linger=60.0)  # all told: exit now
     finally:
         srv.stop(grace=0.5).wait(5)
