@@ -110,6 +110,7 @@ class FakeClient:
     def __init__(self, cfg: JobConfig, coord: Coordinator | None = None) -> None:
         self.cfg, self.coord = cfg, coord
         self.session, self.epoch, self.last_seq = 0, 1, 0
+        self.stopped = ""  # the job was never stopped (GlobalClient.stopped)
         self.lose_report: set[int] = set()  # rounds whose first report never arrives
         self.reports: list[tuple[int, object, int]] = []  # (round, best, participants) received
         self.downloads: list[tuple[str, int]] = []

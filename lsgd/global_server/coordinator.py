@@ -17,7 +17,8 @@ Faults. A node silent for ``node_timeout`` is dropped: its outstanding credits a
 (free for others), and no round waits for it. A round closes when every expected node has
 reported or ``round_timeout`` has passed; late reports are told they missed it.
 
-Stopping the job (node 0 interrupted or failed): ``stopping.JobStop``.
+Membership (joins, reattaches, leaves): ``membership.Membership``; the records it keeps and
+answers: ``records.py``; stopping the job (node 0 interrupted or failed): ``stopping.JobStop``.
 """
 
 from __future__ import annotations
@@ -26,126 +27,22 @@ import dataclasses
 import logging
 import math
 import random
-from dataclasses import dataclass, field
 
 from ..leader import Candidate, elect
 from ..rules.base import RoundKind
 from . import claims
+from .membership import Membership
+from .records import (CoordinatorError, Grant, NodeState, RoundOutcome, RoundState, Schedule,
+                      _due)
 from .stopping import JobStop
 
 log = logging.getLogger(__name__)
 
-
-class CoordinatorError(Exception):
-    """A request the coordinator refuses; ``code`` names the gRPC status to answer with."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code  # "INVALID_ARGUMENT" | "FAILED_PRECONDITION" | "NOT_FOUND"
+__all__ = ["Coordinator", "CoordinatorError", "Grant", "NodeState", "RoundOutcome", "RoundState",
+           "Schedule"]
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """Where the rounds fall on the global counter, and the iteration budget."""
-
-    local_period: int | None  # None: no local rounds
-    global_period: int
-    max_iterations: int | None
-
-    @classmethod
-    def for_job(cls, *, num_groups: int, workers: int, l_comm: int, g_comm: int,
-                local_rounds: bool, max_iterations: int | None) -> "Schedule":
-        n = num_groups * workers
-        return cls(n * l_comm if local_rounds else None, n * g_comm, max_iterations)
-
-    @property
-    def period(self) -> int:
-        """The most iterations between two rounds: no node can hold more credits."""
-        return self.local_period or self.global_period
-
-    @property
-    def detached_steps(self) -> int:
-        """Steps a node cut off from the server may take on credits of its own, per detachment
-        (one global period; the node keeps the same rule)."""
-        return self.global_period
-
-    def next_event(self, after: int) -> tuple[int, RoundKind]:
-        """The first boundary strictly after ``after`` and the kind of round it triggers."""
-        candidates = [((after // self.global_period) + 1) * self.global_period]
-        if self.local_period:
-            candidates.append(((after // self.local_period) + 1) * self.local_period)
-        target = min(candidates)
-        kind = RoundKind.GLOBAL if target % self.global_period == 0 else RoundKind.LOCAL
-        if self.max_iterations is not None and target >= self.max_iterations:
-            return self.max_iterations, RoundKind.FINAL
-        return target, kind
-
-
-@dataclass
-class NodeState:
-    index: int
-    session: int
-    workers: int
-    joined_at: float
-    last_seen: float
-    outstanding: int = 0
-    last_round_seen: int = 0
-    alive: bool = True
-    left: bool = False
-    consumed: int = 0  # total steps this node reported
-    spare: int = 0  # credits no longer outstanding that it may still step on (claims.py)
-    last_seq: int = 0  # newest numbered credit request
-    last_grant: "Grant | None" = None  # the answer to it (given again to a retry)
-    needs_resume: bool = False  # restored from saved state: must reattach (Join) first
-
-
-@dataclass
-class RoundState:
-    id: int
-    kind: RoundKind
-    iteration: int
-    opened_at: float
-    expected: set[int]
-    reports: dict[int, tuple[Candidate | None, int]] = field(default_factory=dict)
-    closed: bool = False
-    leader: Candidate | None = None
-    leader_node: int | None = None
-    evaluate: bool = False  # nodes upload their sums so that node 0 can evaluate the average
-    checkpoint: bool = False  # every node (and the server) saves a checkpoint at this round
-
-
-@dataclass(frozen=True)
-class Grant:
-    """Answer to a credit request."""
-
-    grant: int = 0
-    round: RoundState | None = None  # run this round before training on
-    wait: bool = False  # nothing to give yet: ask again (the servicer long-polls)
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """Answer to a round report."""
-
-    ready: bool  # False: the round is still open, wait
-    missed: bool = False
-    leader: Candidate | None = None
-    leader_node: int | None = None
-    participants: int = 0
-    nodes: tuple[int, ...] = ()
-    evaluate: bool = False
-    checkpoint: bool = False
-
-
-def _due(target: int, every: int, next_at: int) -> tuple[bool, int]:
-    """Whether a global round at ``target`` is the first at or past ``next_at`` (an evaluation
-    or checkpoint round, every ``every`` iterations; 0: never), and the next such counter."""
-    if not every or target < next_at:
-        return False, next_at
-    return True, (target // every + 1) * every
-
-
-class Coordinator(JobStop):
+class Coordinator(Membership, JobStop):
     """State machine of the global server. Not thread-safe: the caller holds a lock."""
 
     def __init__(self, *, job_id: str, algorithm: str, num_groups: int, workers: int,
@@ -212,138 +109,6 @@ class Coordinator(JobStop):
                                    "silence; restart it with train.sh to rejoin")
         node.last_seen = now
         return node
-
-    # ------------------------------------------------------------------ membership
-    def join(self, *, job_id: str, index: int, workers: int, algorithm: str, num_groups: int,
-             now: float, resume_session: int = 0, held: int = 0, unreported: int = 0,
-             seq: int = 0, unanswered_seq: int = 0, unanswered_steps: int = 0,
-             replaces_session: int = 0) -> NodeState:
-        """Admit a node (or raise CoordinatorError, changing nothing).
-
-        With ``resume_session`` equal to the node's session (after a server restart or a
-        partition), the node keeps its session: it holds ``held`` credits and took
-        ``unreported`` steps the counter lacks (counted now, as late steps), plus the steps of
-        its credit request ``unanswered_seq`` if that request never arrived. ``seq`` numbers
-        the join like a credit request, so a repeated join counts nothing twice. A resume
-        whose session matches no node is refused: the node must be started again.
-
-        With ``replaces_session`` equal to the session of the live member ``index`` (the node
-        restarted after a crash, by hand or by a supervisor, before ``node_timeout`` dropped
-        it), that member is dropped now and the node joins afresh (see ``_replace``).
-        """
-        self.check_join(job_id=job_id, index=index, workers=workers, algorithm=algorithm,
-                        num_groups=num_groups)
-        old = self.nodes.get(index)
-        if resume_session:
-            if old is None or old.session != resume_session or old.left:
-                why = "it left the job" if old is not None and old.session == resume_session else (
-                    "the server does not know that session (it restarted from a state saved "
-                    "before the node joined, or the node was replaced by a newer run)")
-                raise CoordinatorError("FAILED_PRECONDITION",
-                                       f"node {index} cannot reattach: {why}; start the node "
-                                       "again with train.sh to join afresh")
-            return self._reattach(old, now, held=held, unreported=unreported, seq=seq,
-                                  unanswered_seq=unanswered_seq, unanswered_steps=unanswered_steps)
-        if old is not None and old.alive and not old.left:
-            if not replaces_session or old.session != replaces_session:
-                raise CoordinatorError("FAILED_PRECONDITION",
-                                       f"node {index} is already in the job; each node index runs once")
-            if self.round is None or self.round.kind != RoundKind.FINAL:
-                self._replace(old, now)
-        if self.round is not None and self.round.kind == RoundKind.FINAL:
-            raise CoordinatorError("FAILED_PRECONDITION", "the job is finishing; no node can join")
-        session = self.rng.getrandbits(63) | 1
-        node = NodeState(index, session, workers, joined_at=now, last_seen=now,
-                         last_round_seen=self._round_seen_on_join(index),
-                         consumed=old.consumed if old is not None else 0)  # the index's total
-        self.nodes[index] = node
-        if len(self.live_nodes) == self.num_groups:
-            self.started = True
-        log.info("node %d joined (%d/%d live)", index, len(self.live_nodes), self.num_groups)
-        return node
-
-    def _replace(self, old: NodeState, now: float) -> None:
-        """A restarted node takes the place of its earlier run: that membership ends as if
-        ``node_timeout`` had dropped it (its outstanding credits are freed, rounds stop waiting
-        for it; the steps it took but never reported are lost)."""
-        log.warning("node %d restarted: its earlier run is dropped (%d credits freed) and the "
-                    "node joins again", old.index, old.outstanding)
-        old.alive = False
-        old.outstanding = 0
-        self._maybe_close_round(now)
-
-    def check_join(self, *, job_id: str, index: int, workers: int, algorithm: str,
-                   num_groups: int) -> None:
-        """Refuse (CoordinatorError) a node whose job or settings differ; changes nothing."""
-        if job_id != self.job_id:
-            raise CoordinatorError("FAILED_PRECONDITION",
-                                   f"job id '{job_id}' does not match the server's '{self.job_id}'")
-        if self.stopped is not None:
-            raise CoordinatorError("FAILED_PRECONDITION", self.stopped)
-        if algorithm != self.algorithm or num_groups != self.num_groups or workers != self.workers:
-            raise CoordinatorError(
-                "FAILED_PRECONDITION",
-                f"node {index} runs algorithm={algorithm} num_groups={num_groups} workers={workers} "
-                f"but the job runs algorithm={self.algorithm} num_groups={self.num_groups} "
-                f"workers={self.workers}; use the same train.sh settings on every node")
-        if not 0 <= index < self.num_groups:
-            raise CoordinatorError("INVALID_ARGUMENT",
-                                   f"node index {index} is out of range 0..{self.num_groups - 1}")
-
-    def _reattach(self, old: NodeState, now: float, *, held: int, unreported: int, seq: int,
-                  unanswered_seq: int, unanswered_steps: int) -> NodeState:
-        """The node ``old`` comes back with its session (see ``join``); every count is bounded
-        by what it can have done (``claims.py``) and checked before anything changes."""
-        index = old.index
-        try:
-            claims.check_seq(index, seq, old.last_seq, ahead=0 if old.needs_resume else 2)
-            if seq and seq == old.last_seq:  # a repeated join: already applied
-                return old
-            if seq and seq < old.last_seq:  # not a retry: something else used newer numbers
-                raise CoordinatorError("FAILED_PRECONDITION",
-                                       f"join {seq} of node {index} is older than its request "
-                                       f"{old.last_seq} (replayed); start the node again")
-            if unanswered_seq and (unanswered_seq >= claims.MAX_SEQ
-                                   or (seq and unanswered_seq >= seq)):
-                raise claims.ClaimError(f"unanswered request {unanswered_seq} of node {index} "
-                                        f"is not before this join ({seq})")
-            counted = unreported + (unanswered_steps if unanswered_seq > old.last_seq else 0)
-            spare = claims.reattach(index, held, counted, old.outstanding, old.spare,
-                                    period=self.schedule.period,
-                                    detached_steps=self.schedule.detached_steps,
-                                    restored=old.needs_resume)
-        except claims.ClaimError as exc:
-            raise CoordinatorError("INVALID_ARGUMENT", str(exc)) from None
-        old.alive, old.last_seen, old.outstanding, old.needs_resume = True, now, held, False
-        old.spare = spare
-        old.last_seq, old.last_grant = seq, None
-        old.last_round_seen = self._round_seen_on_join(index)
-        old.consumed += counted
-        self.done += counted
-        log.info("node %d reattached (holds %d credits, %d steps reported now)", index, held,
-                 counted)
-        return old
-
-    def _round_seen_on_join(self, index: int) -> int:
-        """A joining node takes part from the next round, or from the open one if that round
-        waits for it (a reattaching node must not skip a round, above all the final one)."""
-        rnd = self.round
-        if rnd is None:
-            return 0
-        if not rnd.closed and index in rnd.expected and index not in rnd.reports:
-            return rnd.id - 1
-        return rnd.id
-
-    def heartbeat(self, index: int, session: int, now: float) -> None:
-        self._node(index, session, now)
-
-    def leave(self, index: int, session: int, consumed: int, late: int, now: float) -> None:
-        node = self._node(index, session, now)
-        self._consume(node, consumed, late, 0)
-        node.left = True
-        node.outstanding = 0
-        log.info("node %d left; counter %d", index, self.done)
-        self._maybe_close_round(now)
 
     # ------------------------------------------------------------------ credits
     def _consume(self, node: NodeState, consumed: int, late: int, released: int) -> None:

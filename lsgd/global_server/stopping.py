@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+from .records import CoordinatorError
+
 log = logging.getLogger("lsgd.global_server.coordinator")
 
 
@@ -34,8 +36,6 @@ class JobStop:
         Raises CoordinatorError (changing nothing) for another node, a stale session or a
         negative count.
         """
-        from .coordinator import CoordinatorError
-
         if index != 0:
             raise CoordinatorError("PERMISSION_DENIED",
                                    f"node {index} cannot stop the job; only node 0 can")

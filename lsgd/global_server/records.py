@@ -1,0 +1,118 @@
+"""What the coordinator keeps and answers: the round schedule, per-node and per-round state,
+and the answers to credit requests and round reports (plain data, no logic beyond arithmetic)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..leader import Candidate
+from ..rules.base import RoundKind
+
+
+class CoordinatorError(Exception):
+    """A request the coordinator refuses; ``code`` names the gRPC status to answer with."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code  # "INVALID_ARGUMENT" | "FAILED_PRECONDITION" | "NOT_FOUND"
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Where the rounds fall on the global counter, and the iteration budget."""
+
+    local_period: int | None  # None: no local rounds
+    global_period: int
+    max_iterations: int | None
+
+    @classmethod
+    def for_job(cls, *, num_groups: int, workers: int, l_comm: int, g_comm: int,
+                local_rounds: bool, max_iterations: int | None) -> "Schedule":
+        n = num_groups * workers
+        return cls(n * l_comm if local_rounds else None, n * g_comm, max_iterations)
+
+    @property
+    def period(self) -> int:
+        """The most iterations between two rounds: no node can hold more credits."""
+        return self.local_period or self.global_period
+
+    @property
+    def detached_steps(self) -> int:
+        """Steps a node cut off from the server may take on credits of its own, per detachment
+        (one global period; the node keeps the same rule)."""
+        return self.global_period
+
+    def next_event(self, after: int) -> tuple[int, RoundKind]:
+        """The first boundary strictly after ``after`` and the kind of round it triggers."""
+        candidates = [((after // self.global_period) + 1) * self.global_period]
+        if self.local_period:
+            candidates.append(((after // self.local_period) + 1) * self.local_period)
+        target = min(candidates)
+        kind = RoundKind.GLOBAL if target % self.global_period == 0 else RoundKind.LOCAL
+        if self.max_iterations is not None and target >= self.max_iterations:
+            return self.max_iterations, RoundKind.FINAL
+        return target, kind
+
+
+@dataclass
+class NodeState:
+    index: int
+    session: int
+    workers: int
+    joined_at: float
+    last_seen: float
+    outstanding: int = 0
+    last_round_seen: int = 0
+    alive: bool = True
+    left: bool = False
+    consumed: int = 0  # total steps this node reported
+    spare: int = 0  # credits no longer outstanding that it may still step on (claims.py)
+    last_seq: int = 0  # newest numbered credit request
+    last_grant: "Grant | None" = None  # the answer to it (given again to a retry)
+    needs_resume: bool = False  # restored from saved state: must reattach (Join) first
+
+
+@dataclass
+class RoundState:
+    id: int
+    kind: RoundKind
+    iteration: int
+    opened_at: float
+    expected: set[int]
+    reports: dict[int, tuple[Candidate | None, int]] = field(default_factory=dict)
+    closed: bool = False
+    leader: Candidate | None = None
+    leader_node: int | None = None
+    evaluate: bool = False  # nodes upload their sums so that node 0 can evaluate the average
+    checkpoint: bool = False  # every node (and the server) saves a checkpoint at this round
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Answer to a credit request."""
+
+    grant: int = 0
+    round: RoundState | None = None  # run this round before training on
+    wait: bool = False  # nothing to give yet: ask again (the servicer long-polls)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """Answer to a round report."""
+
+    ready: bool  # False: the round is still open, wait
+    missed: bool = False
+    leader: Candidate | None = None
+    leader_node: int | None = None
+    participants: int = 0
+    nodes: tuple[int, ...] = ()
+    evaluate: bool = False
+    checkpoint: bool = False
+
+
+def _due(target: int, every: int, next_at: int) -> tuple[bool, int]:
+    """Whether a global round at ``target`` is the first at or past ``next_at`` (an evaluation
+    or checkpoint round, every ``every`` iterations; 0: never), and the next such counter."""
+    if not every or target < next_at:
+        return False, next_at
+    return True, (target // every + 1) * every
