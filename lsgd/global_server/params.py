@@ -12,71 +12,20 @@ failed, or its deadline passed. Downloads for that round wait until it settles.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
-from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
-from ..files import atomic_path
 from ..wire import aligned_empty, steady_heap, wire_dtype
 from ..rules import ops
 from ..rules.base import RoundKind, Rule, Exchange as ExchangeKind
-from .snapshot import NpzReader, NpzWriter
+from .buffers import AVERAGE, CENTER, HELD, LEADER, SUM, ParamError, _size, available_memory
+from .saves import SavedParams
 
 log = logging.getLogger(__name__)
-
-LEADER, CENTER, SUM, AVERAGE = "global_leader", "center", "sum", "average"
-SAVED_AS = {LEADER: "leader", CENTER: "center"}  # member names in the saved .npz
-
-
-HELD = (LEADER, CENTER, SUM)  # the vectors the server holds, each param_count float32
-
-
-class _Changed(Exception):
-    """A vector changed while a save wrote it: that attempt is discarded."""
-
-
-def available_memory() -> int | None:
-    """Bytes this process may still allocate: the kernel's MemAvailable, capped by the
-    cgroup's (container's) limit; None where neither is known."""
-    found = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found.append(int(line.split()[1]) * 1024)
-    except (OSError, ValueError, IndexError):
-        pass
-    for limit, usage in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                         ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                          "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        try:
-            with open(limit) as f, open(usage) as g:
-                text = f.read().strip()
-                if text != "max":
-                    found.append(max(0, int(text) - int(g.read().strip())))
-            break
-        except (OSError, ValueError):
-            continue
-    if not found and hasattr(os, "sysconf"):
-        try:
-            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        except (OSError, ValueError):
-            pass
-    return min(found) if found else None
-
-
-class ParamError(Exception):
-    """A refused upload or download; ``code`` is the gRPC status name to answer with."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -95,7 +44,7 @@ class Exchange:
     failed: list[str] = field(default_factory=list)
 
 
-class ParamStore:
+class ParamStore(SavedParams):
     """The global server's parameter buffers. Thread-safe."""
 
     def __init__(self, rule: Rule, clock: Callable[[], float] = time.monotonic) -> None:
@@ -155,110 +104,6 @@ class ParamStore:
     def set_param_count(self, count: int) -> None:
         """Fix the model size (``reserve`` + ``install``); later joins must match."""
         self.install(count, self.reserve(count))
-
-    # ------------------------------------------------------------------ persistence
-    @property
-    def writing(self) -> bool:
-        """True while an upload is writing the leader or the center."""
-        with self._cond:
-            return any(v % 2 for v in self.versions.values())
-
-    def save(self, path, force: bool = False, fallback=None) -> bool:  # noqa: ANN001 - Paths
-        """Write the leader and the center to ``path`` if they changed since the last save (or
-        ``force``). Returns True when it wrote.
-
-        The file is an .npz (``snapshot``: ``load`` and ``np.load`` read it), replaced atomically.
-        Each vector streams from its buffer to the file chunk by chunk, without the lock and
-        without a copy; if a vector changed meanwhile (its version moved) the save starts again,
-        and a third attempt holds the lock while it writes (rare: a vector changes once a
-        round). A vector that is not complete now (an upload is writing it, however long that
-        upload hangs, or the last one broke) is copied from ``fallback`` (default ``path``: the
-        previous save) with its flag there, i.e. its newest complete values saved; it is never
-        written torn as complete.
-        """
-        path = Path(path)
-        with self._cond:
-            if self.param_count is None or (self._last_saved == self._saved_key() and not force):
-                return False
-        for attempt in range(3):
-            try:
-                with self._cond if attempt == 2 else nullcontext():  # the last one: nothing moves
-                    key = self._write(path, Path(fallback or path))
-            except _Changed:
-                continue
-            with self._cond:
-                self._last_saved = key
-            return True
-        raise AssertionError("a save that holds the lock saw a vector change")
-
-    def _write(self, path: Path, fallback: Path) -> int:
-        """One attempt of ``save``; raises _Changed when a vector changed while it was written."""
-        with self._cond:
-            key = self._saved_key()
-            versions = dict(self.versions)
-            live = {LEADER: versions[LEADER] % 2 == 0 and self.leader_complete,
-                    CENTER: versions[CENTER] % 2 == 0 and self.center_ready}
-        with ExitStack() as stack:
-            old, old_flags = None, (False, False)
-            if not all(live.values()):
-                old, old_flags = self._saved(fallback, stack)
-            flags = []
-            tmp = stack.enter_context(atomic_path(path))
-            out = stack.enter_context(NpzWriter(tmp))
-            for i, name in enumerate((LEADER, CENTER)):
-                member = SAVED_AS[name]
-                if live[name]:
-                    out.vector(member, self.buffers[name])
-                elif old is not None:
-                    out.copy(old, member)
-                else:  # nothing complete to save yet: saved as not ready
-                    out.vector(member, self.buffers[name])
-                flags.append(live[name] or (old is not None and old_flags[i]))
-            out.small("flags", np.array(flags, dtype=np.bool_))
-            with self._cond:
-                if any(live[n] and self.versions[n] != versions[n] for n in live):
-                    raise _Changed
-        return key
-
-    def _saved(self, path: Path, stack: ExitStack) -> tuple["NpzReader | None", tuple[bool, bool]]:
-        """The vectors and flags of an earlier save at ``path``, if it is one of this model."""
-        if not path.exists():
-            return None, (False, False)
-        try:
-            reader = stack.enter_context(NpzReader(path))
-            flags = reader.small("flags")
-            for member in SAVED_AS.values():
-                if reader.header(member) != ((self.param_count,), np.dtype("<f4")):
-                    raise ValueError(f"{path}: '{member}' is not a vector of {self.param_count}")
-            if flags.shape != (2,) or flags.dtype != np.bool_:
-                raise ValueError(f"{path}: no flags")
-        except (OSError, ValueError) as exc:
-            log.warning("the previous save cannot be reused (%s); an incomplete leader or center "
-                        "is saved as not ready", exc)
-            return None, (False, False)
-        return reader, (bool(flags[0]), bool(flags[1]))
-
-    def _saved_key(self) -> int:
-        return hash((self.versions[LEADER], self.versions[CENTER], self.center_ready,
-                     self.leader_complete))
-
-    def load(self, path) -> None:  # noqa: ANN001 - a Path
-        """Restore the leader and the center saved by ``save`` (or by ``np.savez``, as earlier
-        versions saved them), read chunk by chunk into the buffers."""
-        with NpzReader(path) as z:
-            flags = z.small("flags")
-            shape, dtype = z.header("leader")
-            if (dtype != np.dtype("<f4") or len(shape) != 1 or not shape[0]
-                    or z.header("center") != (shape, dtype) or flags.shape != (2,)
-                    or flags.dtype != np.bool_):
-                raise ValueError(f"{path}: not a saved leader and center")
-            with self._cond:
-                self.set_param_count(shape[0])
-                z.into("leader", self.buffers[LEADER])
-                z.into("center", self.buffers[CENTER])
-                self.leader_complete, self.center_ready = bool(flags[0]), bool(flags[1])
-                self.versions[LEADER] += 2
-                self.versions[CENTER] += 2
 
     # ------------------------------------------------------------------ exchange
     def begin(self, round_id: int, kind: RoundKind, leader_node: int | None,
@@ -490,15 +335,6 @@ class ParamStore:
         if buffer == AVERAGE and not (ex.average and ex.sums_ok and ex.summands):
             return f"!round {round_id} has no average"
         return None
-
-
-def _size(n: int) -> str:
-    """Bytes for people: 1.2 GB, 4.0 TB."""
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n} B"
 
 
 def _wire_dtype(wire: str) -> np.dtype:
