@@ -16,8 +16,8 @@ from lsgd import cli
 from lsgd.config import JobConfig
 from lsgd.global_server.coordinator import Coordinator, CoordinatorError, Schedule
 from lsgd.local_server.global_client import GlobalClient
-from lsgd.local_server.recovery import RecoveryMixin
-from lsgd.local_server.state import NodeError, Report
+from lsgd.local_server.state import NodeError
+from test_insider import _Node  # the parts of a LocalServer that _reattach uses
 
 
 def _coord():
@@ -76,20 +76,6 @@ def test_the_supervisor_does_not_restart_a_server_that_ended_on_its_own(monkeypa
     assert starts == [] and "ended with exit code 1" in sup.fate()
     sup, starts = _supervise(monkeypatch, -signal.SIGKILL, None)
     assert starts == [True]
-
-
-class _Node(RecoveryMixin):
-    """The parts of a LocalServer that _reattach uses."""
-
-    def __init__(self, client, fate=None):
-        self.cfg = JobConfig(num_groups=2, workers=2, algorithm="easgd", reconnect_timeout=60)
-        self.client, self.global_fate = client, (lambda: fate)
-        self.detached_since, self.next_reattach, self.reattach_delay = time.monotonic(), 0.0, 0.2
-        self.pool, self.workers, self.report, self.unanswered = 0, [], Report(), (0, 0)
-        self.param_count, self.heartbeat = 10, None
-
-    def _live(self):
-        return []
 
 
 def test_node_0_says_its_own_server_died_not_ip_addr():
