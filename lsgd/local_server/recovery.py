@@ -55,7 +55,9 @@ class RecoveryMixin:
         w.respawns.append(time.time())
         w.gone, w.error, w.released, w.outstanding = False, None, False, 0
         w.absent = True  # rounds do not wait for it while it builds its model
-        # Nothing may reach the new process before its Setup: forget what the dead one awaited.
+        # Nothing may reach the new process before its Setup (``_send`` holds back all else):
+        # forget what the dead one awaited. What the dead one sent is told apart by its life.
+        w.starting = True
         self.pending = deque(i for i in self.pending if i != w.local)
         w.last_contact = time.monotonic()
         log.warning("worker %d: started again (%d of at most %d), from the %s", w.worker_id,
@@ -63,6 +65,7 @@ class RecoveryMixin:
 
     def _setup_respawned(self, w: WorkerState, hello: m.Hello) -> None:
         assert self.store is not None
+        w.starting = False
         if (misfit := self._misfit(hello)) is not None:
             w.reported = True
             self._send(w, m.Stop("model size changed"))
@@ -73,6 +76,15 @@ class RecoveryMixin:
             return
         ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
         self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
+
+    def _from_the_dead(self, w: WorkerState, msg: object) -> None:
+        """A message that a process of ``w`` sent before it died, read after its death was seen:
+        nothing is answered (the answer would reach its successor). Its steps count, as late
+        steps: the credits they used were released when it died."""
+        consumed = getattr(msg, "consumed", 0)
+        w.iterations += consumed
+        self.report.late += consumed
+        log.debug("worker %d: ignoring %r of its dead process", w.worker_id, msg)
 
     def _detach(self, why: str) -> None:
         """The global server is out of reach: the workers train on; reattach when it is back."""

@@ -39,6 +39,7 @@ from ..worker.client import WorkerContext
 from ..worker.process import worker_main
 from . import checkpoint
 from . import messages as m
+from .procs import end_group, start_process, stop_process
 from .evaluation import EvaluationMixin, Evaluator
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
 from .metrics import MetricsWriter
@@ -149,10 +150,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         replies = self.mp.Queue()
         ctx = WorkerContext(self.cfg, local, self.inbox, replies, os.getpid(), self.beat, evaluator,
                             restarts)
-        proc = self.mp.Process(target=worker_main, args=(ctx, self.log_level), name=f"lsgd-{name}",
-                               daemon=True)
-        proc.start()
-        return proc, replies
+        return start_process(self.mp, worker_main, (ctx, self.log_level), f"lsgd-{name}"), replies
 
     def _shutdown(self) -> None:
         if self.heartbeat is not None:
@@ -167,11 +165,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         for w in procs:
             if w.proc.is_alive():
                 log.warning("%s did not stop in %g s; terminating", w.proc.name, STOP_GRACE)
-                w.proc.terminate()
-                w.proc.join(2.0)
-                if w.proc.is_alive():
-                    w.proc.kill()
-                    w.proc.join(2.0)
+            stop_process(w.proc, 2.0)  # and what it started
         for q in [self.inbox] + [w.replies for w in procs]:
             q.cancel_join_thread()
             q.close()
@@ -196,6 +190,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
 
     # ------------------------------------------------------------------ messaging
     def _send(self, w: WorkerState | Evaluator, msg: object) -> None:
+        if getattr(w, "starting", False) and not isinstance(msg, (m.Setup, m.Stop)):
+            log.debug("worker %d: not sent before its Setup: %r", w.worker_id, msg)
+            return  # meant for its dead predecessor (see _respawn)
         try:
             w.replies.put(msg)
         except (ValueError, OSError):  # queue closed during shutdown
@@ -220,6 +217,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         now = time.monotonic()
         for w in self._live():
             if w.proc.exitcode is not None:
+                end_group(w.proc.pid)  # what it started goes with it
                 self._gone(w, f"process exited with code {w.proc.exitcode}")
                 if not w.reported and not self.stopping and self.store is not None:
                     self._respawn(w)
@@ -232,6 +230,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
                 w.released = True
         ev = self.evaluator
         if ev is not None and not ev.gone and ev.proc.exitcode is not None:
+            end_group(ev.proc.pid)
             self._evaluator_gone(f"process exited with code {ev.proc.exitcode}")
         if not self._live() and not self.stopping:
             errors = [w.error for w in self.workers if w.error]
@@ -250,8 +249,11 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self._from_evaluator(msg)
             return None
         w = self.workers[msg.local]
+        if msg.life != w.life:  # sent by a process of this worker that died since
+            self._from_the_dead(w, msg)
+            return None
         w.last_contact = time.monotonic()
-        if w.absent:
+        if w.absent and not isinstance(msg, m.Hello):  # a respawned one is back once set up
             w.absent = False
             log.info("worker %d is back", w.worker_id)
         if isinstance(msg, m.Hello) and self.store is not None:
@@ -564,7 +566,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             elif isinstance(msg, m.Join):
                 self._account(w, msg.consumed)
                 if msg.round_id == rid:
-                    joins[msg.local] = msg
+                    joins[msg.local] = msg  # dropped below if this process dies meanwhile
                 else:
                     self._send(w, m.Pull(msg.round_id, (), False))
         missing = [w for w in self._live() if w.local not in joins and not w.absent]
@@ -574,21 +576,29 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
                         [w.worker_id for w in missing], self.cfg.round_timeout)
             for w in missing:
                 w.absent = True
-        return {i: j for i, j in joins.items() if not self.workers[i].gone}
+        # A participant that died (even if already started again) is out of the round at once.
+        return {i: j for i, j in joins.items()
+                if not self.workers[i].gone and self.workers[i].life == j.life}
 
     def _collect_dones(self, rid: int, expected: set[int]) -> dict[int, dict[str, float]]:
         dones: dict[int, dict[str, float]] = {}
+        lives = {i: self.workers[i].life for i in expected}  # the processes that joined
+
+        def waited(i: int) -> bool:  # a dead participant is not waited for, nor its successor
+            w = self.workers[i]
+            return i not in dones and not w.gone and w.life == lives[i]
+
         end = time.monotonic() + self.cfg.round_timeout
-        while time.monotonic() < end and any(i not in dones and not self.workers[i].gone for i in expected):
+        while time.monotonic() < end and any(waited(i) for i in expected):
             msg = self._recv()
             if msg is None:
                 continue
-            if isinstance(msg, m.Done) and msg.round_id == rid:
+            if isinstance(msg, m.Done) and msg.round_id == rid and lives.get(msg.local) == msg.life:
                 dones[msg.local] = msg.distances
                 self.pending.append(msg.local)
             else:
                 self._dispatch(msg)
-        late = [self.workers[i].worker_id for i in expected if i not in dones and not self.workers[i].gone]
+        late = [self.workers[i].worker_id for i in expected if waited(i)]
         if late:
             log.warning("round %d: worker(s) %s did not finish their pulls in time", rid, late)
         return dones

@@ -19,6 +19,7 @@ more; the answer may be more credits, a round (publish, pull, go on) or the end 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -61,6 +62,14 @@ class WorkerContext:
     restarts: int = 0  # how many times this worker's process was respawned before this one
 
 
+class NotTraining(RuntimeError):
+    """The registered parameters are not the ones the training loop updates."""
+
+
+IN_PLACE = ("update the registered parameters in place (numpy: `W -= lr * g`, not "
+            "`W = W - lr * g`; PyTorch: do not replace the model's parameter tensors)")
+
+
 class EvaluatorDone(BaseException):
     """Raised out of ``register()`` in the evaluator process once the job is over.
 
@@ -92,6 +101,10 @@ class Worker:
         self._pulled = 0  # leading slot entries that pulls move
         self._load_state_later = False
         self._stopped = False
+        # Fingerprint of the slot when lsgd last read the model or wrote it, and the step count
+        # then: the model read unchanged after steps means the loop trains other arrays.
+        self._touched: int | None = None
+        self._touched_at = 0
         # A reply wait lasts while the local server is alive and its loop keeps running; its
         # longest blocking call (a round barrier or the first connection) is bounded by these.
         self._stale_after = max(ctx.config.round_timeout, ctx.config.connect_timeout) + 30.0
@@ -116,8 +129,7 @@ class Worker:
                 exchanged: a list of arrays / shared variables / tensors, or a function
                 returning one (see ``lsgd.worker.state``).
         """
-        if self._params is not None:
-            raise RuntimeError("register() may be called once")
+        _check_register(self._params)
         self._params = as_params(params, buffers=buffers)
         self._state = worker_state.make(state, self.config.run_dir, self.config.node_index,
                                         self.worker_id)
@@ -128,7 +140,9 @@ class Worker:
         self._send(m.Hello(self.local_index, p.param_count, stats, getattr(p, "average_stats", False)))
         if self.is_evaluator and isinstance(msg := self._get(), m.Stop):
             raise EvaluatorDone()  # the job ended before the model was even needed
-        setup = msg if self.is_evaluator else self._expect(m.Setup)
+        setup = msg if self.is_evaluator else self._get()
+        if isinstance(setup, m.Stop):  # a respawned worker, and the job ended before its Setup
+            return  # step() answers False at once
         if not isinstance(setup, m.Setup):
             raise RuntimeError(f"expected Setup from the local server, got {setup!r}")
         self._store = NodeStore.attach(setup.layout)
@@ -145,6 +159,7 @@ class Worker:
             self._params.write_from(self._store.slot(self.local_index))
         else:
             self._params.read_into(self._store.slot(self.local_index))
+        self._touched, self._touched_at = ops.fingerprint(self._store.slot(self.local_index)), self.iterations
         rule = self.config.make_rule()
         if hasattr(rule, "proximal_pulls"):
             self._proximal = rule.proximal_pulls(self.config.num_groups > 1)
@@ -158,19 +173,14 @@ class Worker:
         Returns:
             True to keep training, False when the job is over (leave the loop).
         """
-        if self._params is None:
-            raise RuntimeError("call register() before step()")
-        if self._stopped:
-            return False
-        if hasattr(loss, "detach"):  # a framework tensor: read it only at rounds (no GPU sync)
-            if loss.numel() != 1:
-                raise ValueError(f"step() takes the minibatch loss, a scalar; got a tensor of "
-                                 f"shape {tuple(loss.shape)}")
-            loss = loss.detach()
-        elif not isinstance(loss, float):
-            loss = float(loss)  # fails here, not at the next round, on a wrong value
+        _check_step(self._params)
+        loss = loss_value(loss)
+        # The loop made this update whatever the answer: it is counted (reported by close()
+        # when the job is already over, e.g. it ended before this worker's first credit).
         self.iterations += 1
         self._unreported += 1
+        if self._stopped:
+            return False
         if self._load_state_later and self._state is not None and self._state.exists:
             self._load_state_later = False
             self._state.load()
@@ -217,6 +227,8 @@ class Worker:
         return n
 
     def _send(self, msg: object) -> None:
+        if self.restarts:  # which process of this worker sends it (see messages.py)
+            msg = dataclasses.replace(msg, life=self.restarts)
         self._last_sent = time.monotonic()
         self._ctx.inbox.put(msg)
 
@@ -263,9 +275,13 @@ class Worker:
         """Publish, wait for instructions, pull. Returns False when the job ends."""
         assert self._store is not None and self._params is not None
         slot = self._store.slot(self.local_index)
+        self._check_replaced()
         self._params.read_into(slot)
         estimate, finite = self._window.read()
-        healthy = finite and ops.all_finite(slot)  # each worker checks itself, in parallel
+        finite_slot, read = ops.finite_fingerprint(slot)  # each worker checks itself, in parallel
+        self._check_trained(read)
+        healthy = finite and finite_slot
+        self._touched, self._touched_at = read, self.iterations
         self._send(m.Join(self.local_index, call.round_id, estimate, self._take_unreported(),
                           self.iterations, healthy))
         while True:
@@ -274,6 +290,7 @@ class Worker:
                 (name, _), = msg.pulls
                 ops.copy_(slot, self._store.buffer(name))
                 self._params.write_from(slot)
+                self._touched = ops.fingerprint(slot)
                 self._window.reset()
                 log.warning("non-finite loss or parameters: reset to the %s", name)
                 self._send(m.Done(self.local_index, msg.round_id, {}))
@@ -286,6 +303,7 @@ class Worker:
                 pulled = any(s > 0 for _, s in msg.pulls)
                 if pulled or msg.stats_averaged:
                     self._params.write_from(slot)
+                    self._touched = ops.fingerprint(slot)
                 if pulled and msg.reset_window:
                     self._window.reset()
                 if msg.checkpoint and self._state is not None:
@@ -299,6 +317,23 @@ class Worker:
             if isinstance(msg, m.Stop):
                 return False
             raise RuntimeError(f"unexpected message in round {call.round_id}: {msg!r}")
+
+    def _check_replaced(self) -> None:
+        """PyTorch: the module's parameters must still be the tensors registered."""
+        replaced = getattr(self._params, "replaced", None)
+        if replaced is not None and (what := replaced()) is not None:
+            self._stopped = True  # a loop that swallows the error ends at its next step
+            raise NotTraining(f"{what}; {IN_PLACE}")
+
+    def _check_trained(self, read: int) -> None:
+        """The model, read at a round, must have changed since lsgd last read or wrote it if
+        steps were taken since. (Per-step proximal pulls write it at every step: not checked.)"""
+        if read == self._touched and self.iterations > self._touched_at and not self._proximal:
+            self._stopped = True
+            raise NotTraining(
+                f"the registered parameters did not change in the {self.iterations - self._touched_at} "
+                f"steps since the last round, so the loop trains other arrays and lsgd exchanges "
+                f"stale ones: {IN_PLACE}")
 
     def _serve_evaluations(self) -> None:
         """The evaluator's loop: snapshot the named buffers, let the node go on, evaluate."""
@@ -358,20 +393,62 @@ class SoloWorker:
     def __init__(self) -> None:
         self.config = JobConfig()
         self.iterations = 0
+        self._params: ParamAdapter | None = None
 
     def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
                  buffers: str = "local", state: Any = None) -> None:
-        as_params(params, buffers=buffers)
+        _check_register(self._params)
+        self._params = as_params(params, buffers=buffers)
 
     def shard(self, *arrays: Any, mode: str | None = None) -> Any:
         return arrays[0] if len(arrays) == 1 else arrays
 
     def step(self, loss: float) -> bool:
+        _check_step(self._params)
+        loss_value(loss)
         self.iterations += 1
         return True
 
+    @property
+    def registered(self) -> bool:
+        return self._params is not None
+
     def close(self) -> None:
         pass
+
+
+def _check_register(registered: ParamAdapter | None) -> None:
+    if registered is not None:
+        raise RuntimeError("register() may be called once")
+
+
+def _check_step(registered: ParamAdapter | None) -> None:
+    if registered is None:
+        raise RuntimeError("call register() before step()")
+
+
+def loss_value(loss: Any) -> Any:
+    """The minibatch loss as ``step()`` keeps it: a float, or a detached one-element framework
+    tensor (read only at rounds, so a GPU loss costs no synchronisation per step).
+
+    Raises:
+        ValueError: anything but one number (checked at the step, not at the next round).
+    """
+    if isinstance(loss, float):
+        return loss
+    if hasattr(loss, "detach"):  # a framework tensor
+        if loss.numel() != 1:
+            raise ValueError(f"step() takes the minibatch loss, a scalar; got a tensor of "
+                             f"shape {tuple(loss.shape)}")
+        return loss.detach()
+    try:
+        return float(loss)  # numbers, numpy scalars, 0-d arrays
+    except TypeError:
+        arr = np.asarray(loss)  # a one-element array, like a one-element tensor
+        if arr.size != 1 or not np.issubdtype(arr.dtype, np.number):
+            raise ValueError(f"step() takes the minibatch loss, a scalar; got "
+                             f"{type(loss).__name__} of shape {arr.shape}") from None
+        return float(arr.reshape(-1)[0])
 
 
 def _common_length(arrays: tuple) -> int:
@@ -409,4 +486,5 @@ def connect(params: Any = None, evaluate: Callable[[], dict[str, float]] | None 
     return worker
 
 
-__all__ = ["Worker", "WorkerContext", "LocalServerGone", "EvaluatorDone", "SoloWorker", "connect"]
+__all__ = ["Worker", "WorkerContext", "LocalServerGone", "EvaluatorDone", "NotTraining", "SoloWorker",
+           "connect"]

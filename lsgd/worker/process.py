@@ -8,6 +8,8 @@ It runs the user's code, in one of three forms (``ENTRY``):
 - ``package.module:function`` where the function takes one argument: it gets the worker.
 
 An exception is reported to the local server as one line plus its traceback before exit 1.
+The process leads a process group of its own, so that the processes the user's code starts
+(DataLoader workers, a ``multiprocessing.Pool``) end with it (``local_server/procs.py``).
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from typing import Callable
 
 from ..config import is_script
 from ..local_server import messages as m
+from ..local_server.procs import lead_own_group
 from . import client
-from .client import EvaluatorDone, LocalServerGone, Worker, WorkerContext
+from .client import EvaluatorDone, LocalServerGone, NotTraining, Worker, WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +77,7 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     """Run one worker (or the evaluator); exits the process with 0 on success, 1 on failure."""
     # Ctrl-C reaches the whole process group; the local server decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lead_own_group(ctx.parent_pid)
     who = "evaluator" if ctx.evaluator else f"worker {ctx.config.worker_id(ctx.local_index)}"
     logging.basicConfig(level=log_level, format=f"%(asctime)s {who} %(levelname)s %(message)s")
     worker = Worker(ctx)
@@ -81,7 +85,7 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     try:
         entry = load_entry(ctx.config.entry)
     except ValueError as exc:  # a configuration error: one line, no traceback
-        ctx.inbox.put(m.Failed(ctx.local_index, str(exc)))
+        ctx.inbox.put(m.Failed(ctx.local_index, str(exc), life=ctx.restarts))
         sys.exit(1)
     try:
         entry()
@@ -94,9 +98,13 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     except LocalServerGone as exc:
         log.error("%s; exiting", exc)
         sys.exit(1)
+    except NotTraining as exc:  # the user's loop, not lsgd: one line naming the fix
+        ctx.inbox.put(m.Failed(ctx.local_index, str(exc), life=ctx.restarts))
+        worker.close()
+        sys.exit(1)
     except BaseException as exc:  # noqa: BLE001 - reported to the local server, then exit 1
         ctx.inbox.put(m.Failed(ctx.local_index, f"{type(exc).__name__}: {exc}",
-                               traceback.format_exc()))
+                               traceback.format_exc(), life=ctx.restarts))
         worker.close()
         sys.exit(1)
     sys.exit(0)
