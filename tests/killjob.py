@@ -7,8 +7,9 @@ KILLJOB="<worker>:<n>:<point>" kills that worker (in its first life) at its n-th
 - ``pull``: when the Pull of the n-th round arrives, before applying it (no Done is sent).
 
 KILLJOB_SLOW="<worker>:<n>:<seconds>" holds that worker's n-th Join back that long, so a kill
-at the same round is noticed while the round still collects its joins. The time of the kill
-goes to ``$TOYJOB_COUNT_DIR/<worker>.died``.
+at the same round is noticed while the round still collects its joins. KILLJOB_RESPAWN_DELAY
+(seconds) makes a respawned worker wait that long before it registers (a slow model build). The
+time of the kill goes to ``$TOYJOB_COUNT_DIR/<worker>.died``.
 """
 
 import os
@@ -83,6 +84,8 @@ def main(worker):
             ctx.replies = _Replies(ctx.replies, kill[1])
         else:
             ctx.inbox = _Inbox(ctx.inbox, (kill[2], kill[1]), None)
+    if worker.restarts:
+        time.sleep(float(os.environ.get("KILLJOB_RESPAWN_DELAY", "0")))
     if slow and slow[0] == worker.worker_id:
         ctx.inbox = _Inbox(ctx.inbox, None, (slow[1], float(slow[2])))
     toyjob.main(worker)

@@ -90,7 +90,8 @@ TOY = dict(ENTRY="killjob:main", LOG_LEVEL="INFO", ROUND_TIMEOUT=30, TOYJOB_STEP
     ("lsgd", dict(TOYJOB_DIE="1:150")),  # between rounds, holding credits
     ("lsgd", dict(KILLJOB="1:3:ask")),  # its Ask for credits reached the node
     ("lsgd", dict(KILLJOB="1:3:join")),  # joined a round: seen while the pulls run
-    ("lsgd", dict(KILLJOB="1:3:join", KILLJOB_SLOW="0:3:0.5")),  # seen while joins are collected
+    # seen while the joins are collected, long before the new process can say Hello
+    ("lsgd", dict(KILLJOB="1:3:join", KILLJOB_SLOW="0:3:0.3", KILLJOB_RESPAWN_DELAY=1.5)),
     ("lsgd", dict(KILLJOB="1:3:pull")),  # got its Pull, died before Done
     ("easgd", dict(KILLJOB="1:3:join")),
 ], ids=["between-rounds", "after-ask", "after-join", "after-join-slow-round", "during-pull",

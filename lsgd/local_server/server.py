@@ -201,7 +201,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
     def _live(self) -> list[WorkerState]:
         return [w for w in self.workers if not w.gone]
 
-    def _gone(self, w: WorkerState, why: str) -> None:
+    def _gone(self, w: WorkerState, why: str, logged: bool = False) -> None:
         if w.gone:
             return
         w.gone = True
@@ -211,7 +211,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         if self.stopping:
             return
         w.error = why
-        log.warning("worker %d left the job: %s", w.worker_id, why)
+        if not logged:
+            log.warning("worker %d left the job: %s", w.worker_id, why)
 
     def _check_workers(self) -> None:
         now = time.monotonic()
@@ -265,7 +266,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
                 log.error("worker %d failed: %s\n%s", w.worker_id, msg.error, msg.trace.rstrip())
             else:
                 log.error("worker %d failed: %s", w.worker_id, msg.error)
-            self._gone(w, msg.error)
+            self._gone(w, msg.error, logged=True)
             self._check_workers()
             return None
         if isinstance(msg, m.Progress):

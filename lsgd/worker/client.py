@@ -331,9 +331,8 @@ class Worker:
         if read == self._touched and self.iterations > self._touched_at and not self._proximal:
             self._stopped = True
             raise NotTraining(
-                f"the registered parameters did not change in the {self.iterations - self._touched_at} "
-                f"steps since the last round, so the loop trains other arrays and lsgd exchanges "
-                f"stale ones: {IN_PLACE}")
+                f"the registered parameters did not change in {self.iterations - self._touched_at} "
+                f"steps: the loop trains other arrays, and lsgd would exchange stale ones; {IN_PLACE}")
 
     def _serve_evaluations(self) -> None:
         """The evaluator's loop: snapshot the named buffers, let the node go on, evaluate."""
