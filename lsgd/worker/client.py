@@ -42,6 +42,7 @@ from .adapters import ParamAdapter, as_params
 log = logging.getLogger(__name__)
 
 POLL = 1.0  # seconds between checks that the local server is still alive
+FULL_CHECKS = 3  # rounds with steps, per process, whose check also covers pulled parameters
 
 
 class LocalServerGone(RuntimeError):
@@ -105,6 +106,7 @@ class Worker:
         # then: the model read unchanged after steps means the loop trains other arrays.
         self._touched: int | None = None
         self._touched_at = 0
+        self._full_checks = FULL_CHECKS  # see _check_trained
         # A reply wait lasts while the local server is alive and its loop keeps running; its
         # longest blocking call (a round barrier or the first connection) is bounded by these.
         self._stale_after = max(ctx.config.round_timeout, ctx.config.connect_timeout) + 30.0
@@ -290,7 +292,7 @@ class Worker:
                 (name, _), = msg.pulls
                 ops.copy_(slot, self._store.buffer(name))
                 self._params.write_from(slot)
-                self._touched = ops.fingerprint(slot)
+                self._wrote(slot)
                 self._window.reset()
                 log.warning("non-finite loss or parameters: reset to the %s", name)
                 self._send(m.Done(self.local_index, msg.round_id, {}))
@@ -303,7 +305,7 @@ class Worker:
                 pulled = any(s > 0 for _, s in msg.pulls)
                 if pulled or msg.stats_averaged:
                     self._params.write_from(slot)
-                    self._touched = ops.fingerprint(slot)
+                    self._wrote(slot)
                 if pulled and msg.reset_window:
                     self._window.reset()
                 if msg.checkpoint and self._state is not None:
@@ -325,14 +327,27 @@ class Worker:
             self._stopped = True  # a loop that swallows the error ends at its next step
             raise NotTraining(f"{what}; {IN_PLACE}")
 
+    def _wrote(self, slot: np.ndarray) -> None:
+        """A round wrote the slot into the model."""
+        if self._full_checks:  # one more pass over the slot; later rounds compare with the read
+            self._touched = ops.fingerprint(slot)
+
     def _check_trained(self, read: int) -> None:
-        """The model, read at a round, must have changed since lsgd last read or wrote it if
-        steps were taken since. (Per-step proximal pulls write it at every step: not checked.)"""
-        if read == self._touched and self.iterations > self._touched_at and not self._proximal:
-            self._stopped = True
-            raise NotTraining(
-                f"the registered parameters did not change in {self.iterations - self._touched_at} "
-                f"steps: the loop trains other arrays, and lsgd would exchange stale ones; {IN_PLACE}")
+        """The model, read at a round, must have changed since lsgd last read it or wrote it if
+        steps were taken since. A loop that trains other arrays shows at its first round; to
+        also cover what a pull wrote costs one more pass over the slot, done in the first
+        ``FULL_CHECKS`` rounds of a process only: later, a round compares with the last read
+        (which costs nothing more: ``finite_fingerprint``). Per-step proximal pulls write the
+        model at every step: not checked."""
+        if self._proximal or self.iterations == self._touched_at:
+            return
+        if read != self._touched:
+            self._full_checks = max(0, self._full_checks - 1)
+            return
+        self._stopped = True
+        raise NotTraining(
+            f"the registered parameters did not change in {self.iterations - self._touched_at} "
+            f"steps: the loop trains other arrays, and lsgd would exchange stale ones; {IN_PLACE}")
 
     def _serve_evaluations(self) -> None:
         """The evaluator's loop: snapshot the named buffers, let the node go on, evaluate."""
