@@ -50,7 +50,7 @@ def main(worker):
 
 CASES = {
     "numpy-rebinds": (NUMPY_JOB, "w = w - np.float32(0.1) * g",
-                      "the registered parameters did not change in 64 steps: the loop trains other arrays"),
+                      "steps: the loop trains other arrays, and lsgd would exchange stale ones"),
     "numpy-in-place": (NUMPY_JOB, "w -= np.float32(0.1) * g", None),
     "torch-replaces": (TORCH_JOB, "model[1].weight = torch.nn.Parameter(model[1].weight - 0.01 * "
                                   "model[1].weight.grad); opt.step()",
