@@ -80,3 +80,19 @@ def main(worker):
     pool.close()
     pool.join()
     (out / f"{worker.worker_id}.count").write_text(str(step))
+
+
+def group_leader(parent_pid, pids):
+    """For the process-group tests: lead a group as a worker does, start a program, wait."""
+    from lsgd.local_server.procs import lead_own_group
+
+    lead_own_group(parent_pid)
+    pids.put((os.getpid(), subprocess.Popen(["sleep", "600"]).pid))
+    time.sleep(600)
+
+
+def stand_in_server(pids):
+    """A local server stand-in: starts one ``group_leader`` as its worker, then waits."""
+    ctx = multiprocessing.get_context("spawn")
+    ctx.Process(target=group_leader, args=(os.getpid(), pids)).start()
+    time.sleep(600)

@@ -36,6 +36,50 @@ def alive_after(pids: list[int], timeout: float) -> list[int]:
 # ------------------------------------------------------------------ item 4
 
 
+def test_what_a_worker_starts_ends_with_it_killed_or_orphaned():
+    import multiprocessing as mp
+
+    import procjob
+    from lsgd.local_server.procs import end_group
+
+    ctx = mp.get_context("spawn")
+    pids = ctx.Queue()
+    # Killed: the node ends the group the worker led (the program never notices by itself).
+    proc = ctx.Process(target=procjob.group_leader, args=(os.getpid(), pids))
+    proc.start()
+    _, sleeper = pids.get(timeout=60)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(10)
+    assert alive_after([sleeper], 0.5) == [sleeper]
+    end_group(proc.pid)
+    assert not alive_after([sleeper], 2.0)
+    # Orphaned (its local server, here a stand-in, was SIGKILLed): it ends its own group.
+    server = ctx.Process(target=procjob.stand_in_server, args=(pids,))
+    server.start()
+    worker, sleeper = pids.get(timeout=60)
+    os.kill(server.pid, signal.SIGKILL)
+    server.join(10)
+    assert not alive_after([worker, sleeper], 2.0)
+
+
+@pytest.mark.timeout(60)
+def test_the_node_never_waits_at_exit_for_a_worker_left_running():
+    # multiprocessing joins non-daemonic children at exit without a timeout; a worker that a
+    # cut-short shutdown left running would hold the node forever.
+    import subprocess
+    import sys
+
+    script = ("import multiprocessing as mp, time\n"
+              "from lsgd.local_server.procs import start_process\n"
+              "p = start_process(mp.get_context('spawn'), time.sleep, (600,), 'w')\n"
+              "print(p.pid, flush=True)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert time.monotonic() - t0 < 20, out
+    assert not alive_after([int(out.stdout)], 2.0)
+
+
 @pytest.mark.timeout(150)
 def test_a_worker_can_use_a_pool_and_a_dataloader_and_nothing_survives_the_job(cluster, tmp_path):
     pytest.importorskip("torch")

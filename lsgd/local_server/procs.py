@@ -17,7 +17,8 @@ a daemonic process. What ``daemon=True`` gave is kept by other means, for the wh
 
 A process group, not ``PR_SET_PDEATHSIG``: that signal reaches only the direct child and is not
 inherited by the processes the worker forks, and a new session (``setsid``) would take the
-workers out of the node's session, where ``kill`` and job control find them.
+workers out of the node's session, where ``kill`` and job control find them. A process that
+the user's code puts in a group or session of its own (``start_new_session=True``) is its own.
 """
 
 from __future__ import annotations
@@ -87,9 +88,13 @@ def _end_leftovers() -> None:
 
 def lead_own_group(parent_pid: int) -> None:
     """Make this worker the leader of a new process group and end the group with the parent."""
-    os.setpgid(0, 0)
-    # Now a background group of the terminal: writing to it must not stop us (``stty tostop``).
-    signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.setpgid(0, 0)
+    except OSError as exc:  # the node then cannot end what this worker starts, only the worker
+        log.warning("worker %d: cannot lead a process group of its own: %s", os.getpid(), exc)
+    else:
+        # Now a background group of the terminal: writing to it must not stop us (``stty tostop``).
+        signal.signal(signal.SIGTTOU, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="lsgd-parent-watch",
                      daemon=True).start()
 
@@ -101,4 +106,6 @@ def _watch_parent(parent_pid: int) -> None:
         os.write(2, f"lsgd worker {os.getpid()}: the local server is gone; ending this worker "
                     "and the processes it started\n".encode())
     finally:
-        os.killpg(0, signal.SIGKILL)
+        if os.getpgid(0) == os.getpid():
+            os.killpg(0, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)  # leading no group of our own: only ourselves

@@ -250,7 +250,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
             self._from_evaluator(msg)
             return None
         w = self.workers[msg.local]
-        if msg.life != w.life:  # sent by a process of this worker that died since
+        if getattr(msg, "life", 0) != w.life:  # sent by a process of this worker that died since
             self._from_the_dead(w, msg)
             return None
         w.last_contact = time.monotonic()

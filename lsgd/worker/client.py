@@ -229,7 +229,7 @@ class Worker:
         return n
 
     def _send(self, msg: object) -> None:
-        if self.restarts:  # which process of this worker sends it (see messages.py)
+        if self.restarts and hasattr(msg, "life"):  # which process of this worker sends it
             msg = dataclasses.replace(msg, life=self.restarts)
         self._last_sent = time.monotonic()
         self._ctx.inbox.put(msg)
