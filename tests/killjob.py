@@ -4,7 +4,9 @@ KILLJOB="<worker>:<n>:<point>" kills that worker (in its first life) at its n-th
 
 - ``ask``: right after an Ask for credits reached the local server (the n-th Ask);
 - ``join``: right after its Join of the n-th round reached the local server;
-- ``pull``: when the Pull of the n-th round arrives, before applying it (no Done is sent).
+- ``pull``: when the Pull of the n-th round arrives, before applying it (no Done is sent);
+- ``send``: in the middle of sending its n-th Ask: a queue shared by all workers would be left
+  with its write lock held (taken here, as the queue's feeder thread takes it to write).
 
 KILLJOB_SLOW="<worker>:<n>:<seconds>" holds that worker's n-th Join back that long, so a kill
 at the same round is noticed while the round still collects its joins. KILLJOB_RESPAWN_DELAY
@@ -28,7 +30,7 @@ def _spec(name):
 
 
 def _die(q=None):
-    if q is not None:  # make sure what was sent is in the pipe, then die
+    if hasattr(q, "join_thread"):  # a queue: make sure what was sent is in the pipe, then die
         q.close()
         q.join_thread()
     count_dir = os.environ.get("TOYJOB_COUNT_DIR")
@@ -49,6 +51,11 @@ class _Inbox:
         n = self.sent[kind] = self.sent.get(kind, 0) + 1
         if self.slow and kind == "join" and n == self.slow[0]:
             time.sleep(self.slow[1])
+        if self.kill and self.kill == ("send", n) and kind == "ask":
+            lock = getattr(self.q, "_wlock", None)  # a shared queue's; a pipe of our own has none
+            if lock is not None:
+                lock.acquire()
+            _die()
         self.q.put(msg)
         if self.kill and self.kill == (kind, n):
             _die(self.q)

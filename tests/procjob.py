@@ -87,7 +87,7 @@ def group_leader(parent_pid, pids):
     from lsgd.local_server.procs import lead_own_group
 
     lead_own_group(parent_pid)
-    pids.put((os.getpid(), subprocess.Popen(["sleep", "600"]).pid))
+    pids.send((os.getpid(), subprocess.Popen(["sleep", "600"]).pid))  # a pipe: no lock to hold
     time.sleep(600)
 
 

@@ -1,6 +1,6 @@
 """Messages between workers and their local server over multiprocessing queues.
 
-Workers share one inbox to the local server; each worker has its own reply queue. Every message
+Each worker process has a pipe to the local server (``inbox.py``) and a reply queue. Every message
 names the worker by its local index (``EVALUATOR`` for node 0's evaluator process) and, with
 ``life``, the process of that worker that sent it (0: the first, n: the n-th respawned one), so
 that what a dead process sent is never taken for its successor's. Parameters never travel in

@@ -106,6 +106,11 @@ def _watch_parent(parent_pid: int) -> None:
         os.write(2, f"lsgd worker {os.getpid()}: the local server is gone; ending this worker "
                     "and the processes it started\n".encode())
     finally:
-        if os.getpgid(0) == os.getpid():
-            os.killpg(0, signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)  # leading no group of our own: only ourselves
+        end_own_group()
+
+
+def end_own_group() -> None:
+    """SIGKILL this worker and the processes it started (its local server is gone)."""
+    if os.getpgid(0) == os.getpid():
+        os.killpg(0, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)  # leading no group of our own: only ourselves

@@ -77,6 +77,20 @@ class RecoveryMixin:
         ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
         self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
 
+    def _last_words(self, w: WorkerState) -> str | None:
+        """Read what the process of ``w`` that just exited sent and the node has not read yet
+        (then its pipe is closed): its steps count, and a reported error (returned) is not
+        respawned."""
+        error = None
+        for msg in self.inbox.drain(w.proc.pid):
+            if isinstance(msg, m.Failed):
+                w.reported, error = True, msg.error
+                log.error("worker %d failed: %s%s", w.worker_id, msg.error,
+                          "\n" + msg.trace.rstrip() if msg.trace else "")
+            elif getattr(msg, "consumed", 0):
+                self._account(w, msg.consumed)
+        return error
+
     def _from_the_dead(self, w: WorkerState, msg: object) -> None:
         """A message that a process of ``w`` sent before it died, read after its death was seen:
         nothing is answered (the answer would reach its successor). Its steps count, as late

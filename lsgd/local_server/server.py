@@ -42,6 +42,7 @@ from . import messages as m
 from .procs import end_group, start_process, stop_process
 from .evaluation import EvaluationMixin, Evaluator
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
+from .inbox import Inbox
 from .metrics import MetricsWriter
 from .recovery import RecoveryMixin
 from .state import NodeError, Report, WorkerState
@@ -72,7 +73,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         self.log_level = log_level
         self.multi_node = config.num_groups > 1
         self.mp = mp.get_context("spawn")
-        self.inbox = self.mp.Queue()
+        self.inbox = Inbox(self.mp)  # one pipe per worker process (inbox.py)
         self.beat = self.mp.Value("d", time.time(), lock=False)  # workers watch our loop run
         self.stopping = False  # the job is over: workers leaving is expected
         self.round_due: CreditAnswer | None = None
@@ -148,9 +149,12 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
     def _spawn(self, local: int, evaluator: bool, name: str,
                restarts: int = 0) -> tuple[mp.process.BaseProcess, object]:
         replies = self.mp.Queue()
-        ctx = WorkerContext(self.cfg, local, self.inbox, replies, os.getpid(), self.beat, evaluator,
+        sender = self.inbox.open()
+        ctx = WorkerContext(self.cfg, local, sender, replies, os.getpid(), self.beat, evaluator,
                             restarts)
-        return start_process(self.mp, worker_main, (ctx, self.log_level), f"lsgd-{name}"), replies
+        proc = start_process(self.mp, worker_main, (ctx, self.log_level), f"lsgd-{name}")
+        self.inbox.bind(sender, proc.pid)
+        return proc, replies
 
     def _shutdown(self) -> None:
         if self.heartbeat is not None:
@@ -219,7 +223,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         for w in self._live():
             if w.proc.exitcode is not None:
                 end_group(w.proc.pid)  # what it started goes with it
-                self._gone(w, f"process exited with code {w.proc.exitcode}")
+                error = self._last_words(w)
+                self._gone(w, error or f"process exited with code {w.proc.exitcode}",
+                           logged=error is not None)
                 if not w.reported and not self.stopping and self.store is not None:
                     self._respawn(w)
             elif (w.outstanding and not w.released and w.local not in self.pending
@@ -232,6 +238,8 @@ class LocalServer(EvaluationMixin, RecoveryMixin):
         ev = self.evaluator
         if ev is not None and not ev.gone and ev.proc.exitcode is not None:
             end_group(ev.proc.pid)
+            for msg in self.inbox.drain(ev.proc.pid):
+                self._from_evaluator(msg)
             self._evaluator_gone(f"process exited with code {ev.proc.exitcode}")
         if not self._live() and not self.stopping:
             errors = [w.error for w in self.workers if w.error]

@@ -55,7 +55,7 @@ class WorkerContext:
 
     config: JobConfig
     local_index: int
-    inbox: Any  # multiprocessing queue to the local server
+    inbox: Any  # to the local server: ``put(msg)`` (a pipe of this process's own, inbox.py)
     replies: Any  # this worker's reply queue
     parent_pid: int
     beat: Any  # shared double: the local server's loop writes time.time() into it as it runs
@@ -232,7 +232,10 @@ class Worker:
         if self.restarts and hasattr(msg, "life"):  # which process of this worker sends it
             msg = dataclasses.replace(msg, life=self.restarts)
         self._last_sent = time.monotonic()
-        self._ctx.inbox.put(msg)
+        try:
+            self._ctx.inbox.put(msg)
+        except OSError:  # its end of our pipe is closed
+            raise LocalServerGone("the local server exited") from None
 
     def _get(self) -> object:
         while True:

@@ -27,7 +27,7 @@ from typing import Callable
 
 from ..config import is_script
 from ..local_server import messages as m
-from ..local_server.procs import lead_own_group
+from ..local_server.procs import end_own_group, lead_own_group
 from . import client
 from .client import EvaluatorDone, LocalServerGone, NotTraining, Worker, WorkerContext
 
@@ -73,6 +73,21 @@ def load_entry(entry: str) -> Callable[[], None]:
     return fn
 
 
+def _tell(ctx: WorkerContext, msg: object) -> None:
+    """Send ``msg`` to the local server if it is still there."""
+    try:
+        ctx.inbox.put(msg)
+    except OSError:
+        pass
+
+
+def _close(worker: Worker) -> None:
+    try:
+        worker.close()
+    except LocalServerGone:
+        pass
+
+
 def worker_main(ctx: WorkerContext, log_level: int) -> None:
     """Run one worker (or the evaluator); exits the process with 0 on success, 1 on failure."""
     # Ctrl-C reaches the whole process group; the local server decides how workers stop.
@@ -85,7 +100,7 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     try:
         entry = load_entry(ctx.config.entry)
     except ValueError as exc:  # a configuration error: one line, no traceback
-        ctx.inbox.put(m.Failed(ctx.local_index, str(exc), life=ctx.restarts))
+        _tell(ctx, m.Failed(ctx.local_index, str(exc), life=ctx.restarts))
         sys.exit(1)
     try:
         entry()
@@ -97,14 +112,16 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
         worker.close()
     except LocalServerGone as exc:
         log.error("%s; exiting", exc)
+        if os.getppid() != ctx.parent_pid:  # dead, not stuck: nobody else will end our group
+            end_own_group()
         sys.exit(1)
     except NotTraining as exc:  # the user's loop, not lsgd: one line naming the fix
-        ctx.inbox.put(m.Failed(ctx.local_index, str(exc), life=ctx.restarts))
-        worker.close()
+        _tell(ctx, m.Failed(ctx.local_index, str(exc), life=ctx.restarts))
+        _close(worker)
         sys.exit(1)
     except BaseException as exc:  # noqa: BLE001 - reported to the local server, then exit 1
-        ctx.inbox.put(m.Failed(ctx.local_index, f"{type(exc).__name__}: {exc}",
-                               traceback.format_exc(), life=ctx.restarts))
-        worker.close()
+        _tell(ctx, m.Failed(ctx.local_index, f"{type(exc).__name__}: {exc}",
+                            traceback.format_exc(), life=ctx.restarts))
+        _close(worker)
         sys.exit(1)
     sys.exit(0)
