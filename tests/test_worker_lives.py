@@ -83,3 +83,25 @@ def test_the_other_workers_messages_are_untouched(node):
     node.inbox.put(m.Ask(0, 3))
     assert node._recv() == m.Ask(0, 3)
     assert node.report.late == 0
+
+
+def test_the_inbox_reads_every_process_pipe_and_drains_a_dead_ones():
+    import multiprocessing as mp
+
+    from lsgd.local_server.inbox import Inbox
+
+    inbox = Inbox(mp.get_context("spawn"))
+    first, second = inbox.open(), inbox.open()
+    first.put(m.Ask(0, 1))
+    second.put(m.Ask(1, 2))
+    second.put(m.Bye(1, 3))
+    first.put(m.Ask(0, 4))
+    inbox.bind(first, 101)  # as if started: only the (here: finished) process holds its end
+    inbox.bind(second, 102)
+    assert not inbox.empty()
+    assert inbox.drain(102) == [m.Ask(1, 2), m.Bye(1, 3)]  # a dead process's last words
+    assert [inbox.get(1.0), inbox.get(1.0)] == [m.Ask(0, 1), m.Ask(0, 4)]
+    with pytest.raises(queue.Empty):  # its end is closed: read no more, not an error
+        inbox.get(0.1)
+    assert inbox.empty() and inbox.drain(101) == []
+    inbox.close()
