@@ -70,10 +70,10 @@ def main() -> None:
         ms = {k: 1e3 * statistics.median(v) for k, v in t.items()}
         for k, v in ms.items():
             print(f"{k:20s} {v:7.1f} ms")
-        for now, was in (("round now, first", "round before"), ("round now, later", "round before"),
-                         ("leader now", "leader before")):
-            extra = ms[now] - ms[was]
-            print(f"added: {now:17s} {extra:4.1f} ms = {100 * extra / ms[was]:3.0f}% of the round "
+        for case, was in (("round now, first", "round before"), ("round now, later", "round before"),
+                          ("leader now", "leader before")):
+            extra = ms[case] - ms[was]
+            print(f"added: {case:17s} {extra:4.1f} ms = {100 * extra / ms[was]:3.0f}% of the round "
                   f"before, {100 * extra / ms['pull_toward_']:3.0f}% of one pull")
     finally:
         store.close(unlink=True)

@@ -56,7 +56,8 @@ class RecoveryMixin:
         w.gone, w.error, w.released, w.outstanding = False, None, False, 0
         w.absent = True  # rounds do not wait for it while it builds its model
         # Nothing may reach the new process before its Setup (``_send`` holds back all else):
-        # forget what the dead one awaited. What the dead one sent is told apart by its life.
+        # forget what the dead one awaited. What it sent was read at its death (_last_words);
+        # the life every message carries tells apart anything of it read later.
         w.starting = True
         self.pending = deque(i for i in self.pending if i != w.local)
         w.last_contact = time.monotonic()

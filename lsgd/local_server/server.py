@@ -39,11 +39,11 @@ from ..worker.client import WorkerContext
 from ..worker.process import worker_main
 from . import checkpoint
 from . import messages as m
-from .procs import end_group, start_process, stop_process
 from .evaluation import EvaluationMixin, Evaluator
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
 from .inbox import Inbox
 from .metrics import MetricsWriter
+from .procs import end_group, start_process, stop_process
 from .recovery import RecoveryMixin
 from .state import NodeError, Report, WorkerState
 from .store import NodeStore, StoreLayout, reclaim_stale
