@@ -38,6 +38,7 @@ from ..local_server.store import NodeStore
 from ..rules import ops
 from . import state as worker_state
 from .adapters import ParamAdapter, as_params
+from .solo import SoloWorker, check_register, check_step, loss_value
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class Worker:
                 exchanged: a list of arrays / shared variables / tensors, or a function
                 returning one (see ``lsgd.worker.state``).
         """
-        _check_register(self._params)
+        check_register(self._params)
         self._params = as_params(params, buffers=buffers)
         self._state = worker_state.make(state, self.config.run_dir, self.config.node_index,
                                         self.worker_id)
@@ -175,7 +176,7 @@ class Worker:
         Returns:
             True to keep training, False when the job is over (leave the loop).
         """
-        _check_step(self._params)
+        check_step(self._params)
         loss = loss_value(loss)
         # The loop made this update whatever the answer: it is counted (reported by close()
         # when the job is already over, e.g. it ended before this worker's first credit).
@@ -394,78 +395,6 @@ class Worker:
         for name, strength in self._proximal:
             ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
         self._params.write_from(slot)
-
-
-class SoloWorker:
-    """What ``connect()`` returns outside lsgd: the script trains alone, unchanged.
-
-    It checks the registered parameters (so mistakes show up in a quick local run) and lets the
-    loop run until its own end.
-    """
-
-    is_evaluator = False
-    local_index = worker_id = 0
-    num_workers = 1
-
-    def __init__(self) -> None:
-        self.config = JobConfig()
-        self.iterations = 0
-        self._params: ParamAdapter | None = None
-
-    def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
-                 buffers: str = "local", state: Any = None) -> None:
-        _check_register(self._params)
-        self._params = as_params(params, buffers=buffers)
-
-    def shard(self, *arrays: Any, mode: str | None = None) -> Any:
-        return arrays[0] if len(arrays) == 1 else arrays
-
-    def step(self, loss: float) -> bool:
-        _check_step(self._params)
-        loss_value(loss)
-        self.iterations += 1
-        return True
-
-    @property
-    def registered(self) -> bool:
-        return self._params is not None
-
-    def close(self) -> None:
-        pass
-
-
-def _check_register(registered: ParamAdapter | None) -> None:
-    if registered is not None:
-        raise RuntimeError("register() may be called once")
-
-
-def _check_step(registered: ParamAdapter | None) -> None:
-    if registered is None:
-        raise RuntimeError("call register() before step()")
-
-
-def loss_value(loss: Any) -> Any:
-    """The minibatch loss as ``step()`` keeps it: a float, or a detached one-element framework
-    tensor (read only at rounds, so a GPU loss costs no synchronisation per step).
-
-    Raises:
-        ValueError: anything but one number (checked at the step, not at the next round).
-    """
-    if isinstance(loss, float):
-        return loss
-    if hasattr(loss, "detach"):  # a framework tensor
-        if loss.numel() != 1:
-            raise ValueError(f"step() takes the minibatch loss, a scalar; got a tensor of "
-                             f"shape {tuple(loss.shape)}")
-        return loss.detach()
-    try:
-        return float(loss)  # numbers, numpy scalars, 0-d arrays
-    except TypeError:
-        arr = np.asarray(loss)  # a one-element array, like a one-element tensor
-        if arr.size != 1 or not np.issubdtype(arr.dtype, np.number):
-            raise ValueError(f"step() takes the minibatch loss, a scalar; got "
-                             f"{type(loss).__name__} of shape {arr.shape}") from None
-        return float(arr.reshape(-1)[0])
 
 
 def _common_length(arrays: tuple) -> int:
