@@ -130,9 +130,10 @@ class EvaluationMixin:
                   leader: int | None) -> dict:
         """The final evaluation, by a worker (training is over)."""
         w = self.workers[local]
+        life = w.life  # a process started in its place has not the model to evaluate
         self._send(w, m.Evaluate(buffers, rid, iteration))
         end = time.monotonic() + max(60.0, 2 * self.cfg.round_timeout)
-        while time.monotonic() < end and not w.gone:
+        while time.monotonic() < end and not w.gone and w.life == life:
             msg = self._recv()
             if isinstance(msg, m.EvalResult):
                 self._eval_rows(rid, iteration, msg.metrics, leader)

@@ -1,8 +1,10 @@
 """Messages between workers and their local server over multiprocessing queues.
 
-Workers share one inbox to the local server; each worker has its own reply queue. Every message
-names the worker by its local index (``EVALUATOR`` for node 0's evaluator process). Parameters never travel in messages: they move through node
-shared memory (``store.py``).
+Each worker process has a pipe to the local server (``inbox.py``) and a reply queue. Every message
+names the worker by its local index (``EVALUATOR`` for node 0's evaluator process) and, with
+``life``, the process of that worker that sent it (0: the first, n: the n-th respawned one), so
+that what a dead process sent is never taken for its successor's. Parameters never travel in
+messages: they move through node shared memory (``store.py``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class Hello:
     param_count: int
     stats_count: int = 0  # trailing entries never pulled
     average_stats: bool = False  # ... and averaged over each round's participants
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,7 @@ class Ready:
     """The worker published its initial parameters in its slot."""
 
     local: int
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,7 @@ class Ask:
 
     local: int
     consumed: int
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,7 @@ class Progress:
 
     local: int
     consumed: int
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,7 @@ class Bye:
 
     local: int
     consumed: int
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class Join:
     consumed: int
     iterations: int  # the worker's own step count so far
     healthy: bool = True  # its recent losses and its parameters are all finite
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,7 @@ class Done:
     local: int
     round_id: int
     distances: dict[str, float] = field(default_factory=dict)
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -92,6 +101,7 @@ class EvalResult:
     round_id: int
     iteration: int
     metrics: dict[str, dict[str, float]]  # buffer name -> metric -> value
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 @dataclass(frozen=True)
@@ -101,6 +111,7 @@ class Failed:
     local: int
     error: str
     trace: str = ""
+    life: int = 0  # which process of the worker sent it (see the module doc)
 
 
 # ---------------------------------------------------------------- local server -> worker

@@ -62,7 +62,10 @@ class RecoveryMixin:
         w.gone, w.error, w.released, w.outstanding = False, None, False, 0
         w.reading = frozenset()  # the new process never got the dead one's Pull
         w.absent = True  # rounds do not wait for it while it builds its model
-        # Nothing may reach the new process before its Setup: forget what the dead one awaited.
+        # Nothing may reach the new process before its Setup (``_send`` holds back all else):
+        # forget what the dead one awaited. What it sent was read at its death (_last_words);
+        # the life every message carries tells apart anything of it read later.
+        w.starting = True
         self.pending = deque(i for i in self.pending if i != w.local)
         w.last_contact = time.monotonic()
         log.warning("worker %d: started again (%d of at most %d), from the %s", w.worker_id,
@@ -70,6 +73,7 @@ class RecoveryMixin:
 
     def _setup_respawned(self, w: WorkerState, hello: m.Hello) -> None:
         assert self.store is not None
+        w.starting = False
         if (misfit := self._misfit(hello)) is not None:
             w.reported = True
             self._send(w, m.Stop("model size changed"))
@@ -80,6 +84,29 @@ class RecoveryMixin:
             return
         ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
         self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
+
+    def _last_words(self, w: WorkerState) -> str | None:
+        """Read what the process of ``w`` that just exited sent and the node has not read yet
+        (then its pipe is closed): its steps count, and a reported error (returned) is not
+        respawned."""
+        error = None
+        for msg in self.inbox.drain(w.proc.pid):
+            if isinstance(msg, m.Failed):
+                w.reported, error = True, msg.error
+                log.error("worker %d failed: %s%s", w.worker_id, msg.error,
+                          "\n" + msg.trace.rstrip() if msg.trace else "")
+            elif getattr(msg, "consumed", 0):
+                self._account(w, msg.consumed)
+        return error
+
+    def _from_the_dead(self, w: WorkerState, msg: object) -> None:
+        """A message that a process of ``w`` sent before it died, read after its death was seen:
+        nothing is answered (the answer would reach its successor). Its steps count, as late
+        steps: the credits they used were released when it died."""
+        consumed = getattr(msg, "consumed", 0)
+        w.iterations += consumed
+        self.report.late += consumed
+        log.debug("worker %d: ignoring %r of its dead process", w.worker_id, msg)
 
     def _detach(self, why: str) -> None:
         """The global server is out of reach: the workers train on; reattach when it is back."""

@@ -45,12 +45,14 @@ from . import messages as m
 from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
 from .global_client import RPC_TIMEOUT, CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
+from .inbox import Inbox
 from .liveness import LoopBeat
 from .metrics import MetricsWriter
+from .procs import end_group, start_process, stop_process
 from .recovery import RecoveryMixin
 from .rounds import readers
 from .state import NodeError, Report, WorkerState
-from .store import NodeStore, SharedMemoryTooSmall, StoreLayout, reclaim_stale
+from .store import NodeStore, StoreLayout, reclaim_stale
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
         self.log_level = log_level
         self.multi_node = config.num_groups > 1
         self.mp = mp.get_context("spawn")
-        self.inbox = self.mp.Queue()
+        self.inbox = Inbox(self.mp)  # one pipe per worker process (inbox.py)
         self.beat = self.mp.Value("d", time.time(), lock=False)  # workers watch our loop run
         self.liveness = LoopBeat(self.beat)  # ... also while it blocks in a bounded call
         self.stopping = False  # the job is over: workers leaving is expected
@@ -173,11 +175,11 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
     def _spawn(self, local: int, evaluator: bool, name: str,
                restarts: int = 0) -> tuple[mp.process.BaseProcess, object]:
         replies = self.mp.Queue()
-        ctx = WorkerContext(self.cfg, local, self.inbox, replies, os.getpid(), self.beat, evaluator,
+        sender = self.inbox.open()
+        ctx = WorkerContext(self.cfg, local, sender, replies, os.getpid(), self.beat, evaluator,
                             restarts)
-        proc = self.mp.Process(target=worker_main, args=(ctx, self.log_level), name=f"lsgd-{name}",
-                               daemon=True)
-        proc.start()
+        proc = start_process(self.mp, worker_main, (ctx, self.log_level), f"lsgd-{name}")
+        self.inbox.bind(sender, proc.pid)
         return proc, replies
 
     def _shutdown(self, code: int = exitcodes.FAILED, reason: str = "") -> None:
@@ -201,11 +203,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
             if w.proc.is_alive():
                 log.warning("%s did not stop in %.1f s; terminating", w.proc.name,
                             time.monotonic() - since)
-                w.proc.terminate()
-                w.proc.join(2.0)
-                if w.proc.is_alive():
-                    w.proc.kill()
-                    w.proc.join(2.0)
+            stop_process(w.proc, 2.0)  # and what it started
         for q in [self.inbox] + [w.replies for w in procs]:
             q.cancel_join_thread()
             q.close()
@@ -234,6 +232,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
 
     # ------------------------------------------------------------------ messaging
     def _send(self, w: WorkerState | Evaluator, msg: object) -> None:
+        if getattr(w, "starting", False) and not isinstance(msg, (m.Setup, m.Stop)):
+            log.debug("worker %d: not sent before its Setup: %r", w.worker_id, msg)
+            return  # meant for its dead predecessor (see _respawn)
         try:
             w.replies.put(msg)
         except (ValueError, OSError):  # queue closed during shutdown
@@ -242,7 +243,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
     def _live(self) -> list[WorkerState]:
         return [w for w in self.workers if not w.gone]
 
-    def _gone(self, w: WorkerState, why: str) -> None:
+    def _gone(self, w: WorkerState, why: str, logged: bool = False) -> None:
         if w.gone:
             return
         w.gone = True
@@ -252,13 +253,17 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
         if self.stopping:
             return
         w.error = why
-        log.warning("worker %d left the job: %s", w.worker_id, why)
+        if not logged:
+            log.warning("worker %d left the job: %s", w.worker_id, why)
 
     def _check_workers(self) -> None:
         now = time.monotonic()
         for w in self._live():
             if w.proc.exitcode is not None:
-                self._gone(w, f"process exited with code {w.proc.exitcode}")
+                end_group(w.proc.pid)  # what it started goes with it
+                error = self._last_words(w)
+                self._gone(w, error or f"process exited with code {w.proc.exitcode}",
+                           logged=error is not None)
                 if not w.reported and not self.stopping and self.store is not None:
                     self._respawn(w)
             elif (w.outstanding and not w.released and w.local not in self.pending
@@ -270,6 +275,9 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
                 w.released = True
         ev = self.evaluator
         if ev is not None and not ev.gone and ev.proc.exitcode is not None:
+            end_group(ev.proc.pid)
+            for msg in self.inbox.drain(ev.proc.pid):
+                self._from_evaluator(msg)
             self._evaluator_gone(f"process exited with code {ev.proc.exitcode}")
         if not self._live() and not self.stopping:
             errors = [w.error for w in self.workers if w.error]
@@ -289,8 +297,11 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
             self._from_evaluator(msg)
             return None
         w = self.workers[msg.local]
+        if getattr(msg, "life", 0) != w.life:  # sent by a process of this worker that died since
+            self._from_the_dead(w, msg)
+            return None
         w.last_contact = time.monotonic()
-        if w.absent:
+        if w.absent and not isinstance(msg, m.Hello):  # a respawned one is back once set up
             w.absent = False
             log.info("worker %d is back", w.worker_id)
         if isinstance(msg, m.Hello) and self.store is not None:
@@ -302,7 +313,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
                 log.error("worker %d failed: %s\n%s", w.worker_id, msg.error, msg.trace.rstrip())
             else:
                 log.error("worker %d failed: %s", w.worker_id, msg.error)
-            self._gone(w, msg.error)
+            self._gone(w, msg.error, logged=True)
             self._check_workers()
             return None
         if isinstance(msg, m.Done):
@@ -629,7 +640,7 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
             elif isinstance(msg, m.Join):
                 self._account(w, msg.consumed)
                 if msg.round_id == rid:
-                    joins[msg.local] = msg
+                    joins[msg.local] = msg  # dropped below if this process dies meanwhile
                 else:
                     self._send(w, m.Pull(msg.round_id, (), False))
         missing = [w for w in self._live() if w.local not in joins and not w.absent]
@@ -639,21 +650,29 @@ class LocalServer(EvaluationMixin, RecoveryMixin, EndingMixin):
                         [w.worker_id for w in missing], self.cfg.round_timeout)
             for w in missing:
                 w.absent = True
-        return {i: j for i, j in joins.items() if not self.workers[i].gone}
+        # A participant that died (even if already started again) is out of the round at once.
+        return {i: j for i, j in joins.items()
+                if not self.workers[i].gone and self.workers[i].life == j.life}
 
     def _collect_dones(self, rid: int, expected: set[int]) -> dict[int, dict[str, float]]:
         dones: dict[int, dict[str, float]] = {}
+        lives = {i: self.workers[i].life for i in expected}  # the processes that joined
+
+        def waited(i: int) -> bool:  # a dead participant is not waited for, nor its successor
+            w = self.workers[i]
+            return i not in dones and not w.gone and w.life == lives[i]
+
         end = time.monotonic() + self.cfg.round_timeout
-        while time.monotonic() < end and any(i not in dones and not self.workers[i].gone for i in expected):
+        while time.monotonic() < end and any(waited(i) for i in expected):
             msg = self._recv()
             if msg is None:
                 continue
-            if isinstance(msg, m.Done) and msg.round_id == rid:
+            if isinstance(msg, m.Done) and msg.round_id == rid and lives.get(msg.local) == msg.life:
                 dones[msg.local] = msg.distances
                 self.pending.append(msg.local)
             else:
                 self._dispatch(msg)
-        late = [self.workers[i].worker_id for i in expected if i not in dones and not self.workers[i].gone]
+        late = [self.workers[i].worker_id for i in expected if waited(i)]
         if late:
             log.warning("round %d: worker(s) %s did not finish their pulls in time", rid, late)
         return dones

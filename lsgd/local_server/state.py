@@ -26,6 +26,12 @@ class WorkerState:
     reported: bool = False  # it reported its own failure (a Python error): not respawned
     respawns: list[float] = field(default_factory=list)  # time.time() of each respawn
     reading: frozenset[str] = frozenset()  # node buffers its unanswered Pull reads (rounds.py)
+    starting: bool = False  # respawned, not sent its Setup yet: nothing else may reach it
+
+    @property
+    def life(self) -> int:
+        """Which process of this worker is the current one (0: the first; ``Hello.life``)."""
+        return len(self.respawns)
 
 
 @dataclass

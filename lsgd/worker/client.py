@@ -19,6 +19,7 @@ more; the answer may be more credits, a round (publish, pull, go on) or the end 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -37,10 +38,12 @@ from ..local_server.store import NodeStore
 from ..rules import ops
 from . import state as worker_state
 from .adapters import ParamAdapter, as_params
+from .solo import SoloWorker, check_register, check_step, loss_value
 
 log = logging.getLogger(__name__)
 
 POLL = 1.0  # seconds between checks that the local server is still alive
+FULL_CHECKS = 3  # rounds with steps, per process, whose check also covers pulled parameters
 
 
 class LocalServerGone(RuntimeError):
@@ -53,12 +56,20 @@ class WorkerContext:
 
     config: JobConfig
     local_index: int
-    inbox: Any  # multiprocessing queue to the local server
+    inbox: Any  # to the local server: ``put(msg)`` (a pipe of this process's own, inbox.py)
     replies: Any  # this worker's reply queue
     parent_pid: int
     beat: Any  # shared double: the local server's loop writes time.time() into it as it runs
     evaluator: bool = False  # the node's evaluator: builds the model, never trains
     restarts: int = 0  # how many times this worker's process was respawned before this one
+
+
+class NotTraining(RuntimeError):
+    """The registered parameters are not the ones the training loop updates."""
+
+
+IN_PLACE = ("update the registered parameters in place (numpy: `W -= lr * g`, not "
+            "`W = W - lr * g`; PyTorch: do not replace the model's parameter tensors)")
 
 
 class EvaluatorDone(BaseException):
@@ -92,6 +103,11 @@ class Worker:
         self._pulled = 0  # leading slot entries that pulls move
         self._load_state_later = False
         self._stopped = False
+        # Fingerprint of the slot when lsgd last read the model or wrote it, and the step count
+        # then: the model read unchanged after steps means the loop trains other arrays.
+        self._touched: int | None = None
+        self._touched_at = 0
+        self._full_checks = FULL_CHECKS  # see _check_trained
         # A reply wait lasts while the local server is alive and its loop keeps running; its
         # longest blocking call (a round barrier or the first connection) is bounded by these.
         self._stale_after = max(ctx.config.round_timeout, ctx.config.connect_timeout) + 30.0
@@ -116,8 +132,7 @@ class Worker:
                 exchanged: a list of arrays / shared variables / tensors, or a function
                 returning one (see ``lsgd.worker.state``).
         """
-        if self._params is not None:
-            raise RuntimeError("register() may be called once")
+        check_register(self._params)
         self._params = as_params(params, buffers=buffers)
         self._state = worker_state.make(state, self.config.run_dir, self.config.node_index,
                                         self.worker_id)
@@ -128,7 +143,9 @@ class Worker:
         self._send(m.Hello(self.local_index, p.param_count, stats, getattr(p, "average_stats", False)))
         if self.is_evaluator and isinstance(msg := self._get(), m.Stop):
             raise EvaluatorDone()  # the job ended before the model was even needed
-        setup = msg if self.is_evaluator else self._expect(m.Setup)
+        setup = msg if self.is_evaluator else self._get()
+        if isinstance(setup, m.Stop):  # a respawned worker, and the job ended before its Setup
+            return  # step() answers False at once
         if not isinstance(setup, m.Setup):
             raise RuntimeError(f"expected Setup from the local server, got {setup!r}")
         self._store = NodeStore.attach(setup.layout)
@@ -145,6 +162,7 @@ class Worker:
             self._params.write_from(self._store.slot(self.local_index))
         else:
             self._params.read_into(self._store.slot(self.local_index))
+        self._touched, self._touched_at = ops.fingerprint(self._store.slot(self.local_index)), self.iterations
         rule = self.config.make_rule()
         if hasattr(rule, "proximal_pulls"):
             self._proximal = rule.proximal_pulls(self.config.num_groups > 1)
@@ -158,19 +176,14 @@ class Worker:
         Returns:
             True to keep training, False when the job is over (leave the loop).
         """
-        if self._params is None:
-            raise RuntimeError("call register() before step()")
-        if self._stopped:
-            return False
-        if hasattr(loss, "detach"):  # a framework tensor: read it only at rounds (no GPU sync)
-            if loss.numel() != 1:
-                raise ValueError(f"step() takes the minibatch loss, a scalar; got a tensor of "
-                                 f"shape {tuple(loss.shape)}")
-            loss = loss.detach()
-        elif not isinstance(loss, float):
-            loss = float(loss)  # fails here, not at the next round, on a wrong value
+        check_step(self._params)
+        loss = loss_value(loss)
+        # The loop made this update whatever the answer: it is counted (reported by close()
+        # when the job is already over, e.g. it ended before this worker's first credit).
         self.iterations += 1
         self._unreported += 1
+        if self._stopped:
+            return False
         if self._load_state_later and self._state is not None and self._state.exists:
             self._load_state_later = False
             self._state.load()
@@ -217,8 +230,13 @@ class Worker:
         return n
 
     def _send(self, msg: object) -> None:
+        if self.restarts and hasattr(msg, "life"):  # which process of this worker sends it
+            msg = dataclasses.replace(msg, life=self.restarts)
         self._last_sent = time.monotonic()
-        self._ctx.inbox.put(msg)
+        try:
+            self._ctx.inbox.put(msg)
+        except OSError:  # its end of our pipe is closed
+            raise LocalServerGone("the local server exited") from None
 
     def _get(self) -> object:
         while True:
@@ -263,9 +281,13 @@ class Worker:
         """Publish, wait for instructions, pull. Returns False when the job ends."""
         assert self._store is not None and self._params is not None
         slot = self._store.slot(self.local_index)
+        self._check_replaced()
         self._params.read_into(slot)
         estimate, finite = self._window.read()
-        healthy = finite and ops.all_finite(slot)  # each worker checks itself, in parallel
+        finite_slot, read = ops.finite_fingerprint(slot)  # each worker checks itself, in parallel
+        self._check_trained(read)
+        healthy = finite and finite_slot
+        self._touched, self._touched_at = read, self.iterations
         self._send(m.Join(self.local_index, call.round_id, estimate, self._take_unreported(),
                           self.iterations, healthy))
         while True:
@@ -274,6 +296,7 @@ class Worker:
                 (name, _), = msg.pulls
                 ops.copy_(slot, self._store.buffer(name))
                 self._params.write_from(slot)
+                self._wrote(slot)
                 self._window.reset()
                 log.warning("non-finite loss or parameters: reset to the %s", name)
                 self._send(m.Done(self.local_index, msg.round_id, {}))
@@ -286,6 +309,7 @@ class Worker:
                 pulled = any(s > 0 for _, s in msg.pulls)
                 if pulled or msg.stats_averaged:
                     self._params.write_from(slot)
+                    self._wrote(slot)
                 if msg.reset_window:  # every candidate of the next round starts afresh
                     self._window.reset()
                 if msg.checkpoint and self._state is not None:
@@ -299,6 +323,35 @@ class Worker:
             if isinstance(msg, m.Stop):
                 return False
             raise RuntimeError(f"unexpected message in round {call.round_id}: {msg!r}")
+
+    def _check_replaced(self) -> None:
+        """PyTorch: the module's parameters must still be the tensors registered."""
+        replaced = getattr(self._params, "replaced", None)
+        if replaced is not None and (what := replaced()) is not None:
+            self._stopped = True  # a loop that swallows the error ends at its next step
+            raise NotTraining(f"{what}; {IN_PLACE}")
+
+    def _wrote(self, slot: np.ndarray) -> None:
+        """A round wrote the slot into the model."""
+        if self._full_checks:  # one more pass over the slot; later rounds compare with the read
+            self._touched = ops.fingerprint(slot)
+
+    def _check_trained(self, read: int) -> None:
+        """The model, read at a round, must have changed since lsgd last read it or wrote it if
+        steps were taken since. A loop that trains other arrays shows at its first round; to
+        also cover what a pull wrote costs one more pass over the slot, done in the first
+        ``FULL_CHECKS`` rounds of a process only: later, a round compares with the last read
+        (which costs nothing more: ``finite_fingerprint``). Per-step proximal pulls write the
+        model at every step: not checked."""
+        if self._proximal or self.iterations == self._touched_at:
+            return
+        if read != self._touched:
+            self._full_checks = max(0, self._full_checks - 1)
+            return
+        self._stopped = True
+        raise NotTraining(
+            f"the registered parameters did not change in {self.iterations - self._touched_at} "
+            f"steps: the loop trains other arrays, and lsgd would exchange stale ones; {IN_PLACE}")
 
     def _serve_evaluations(self) -> None:
         """The evaluator's loop: snapshot the named buffers, let the node go on, evaluate."""
@@ -344,36 +397,6 @@ class Worker:
         self._params.write_from(slot)
 
 
-class SoloWorker:
-    """What ``connect()`` returns outside lsgd: the script trains alone, unchanged.
-
-    It checks the registered parameters (so mistakes show up in a quick local run) and lets the
-    loop run until its own end.
-    """
-
-    is_evaluator = False
-    local_index = worker_id = 0
-    num_workers = 1
-
-    def __init__(self) -> None:
-        self.config = JobConfig()
-        self.iterations = 0
-
-    def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
-                 buffers: str = "local", state: Any = None) -> None:
-        as_params(params, buffers=buffers)
-
-    def shard(self, *arrays: Any, mode: str | None = None) -> Any:
-        return arrays[0] if len(arrays) == 1 else arrays
-
-    def step(self, loss: float) -> bool:
-        self.iterations += 1
-        return True
-
-    def close(self) -> None:
-        pass
-
-
 def _common_length(arrays: tuple) -> int:
     if not arrays or any(len(a) != len(arrays[0]) for a in arrays):
         raise ValueError("shard() takes one or more arrays of the same length")
@@ -409,4 +432,5 @@ def connect(params: Any = None, evaluate: Callable[[], dict[str, float]] | None 
     return worker
 
 
-__all__ = ["Worker", "WorkerContext", "LocalServerGone", "EvaluatorDone", "SoloWorker", "connect"]
+__all__ = ["Worker", "WorkerContext", "LocalServerGone", "EvaluatorDone", "NotTraining", "SoloWorker",
+           "connect"]

@@ -8,6 +8,8 @@ It runs the user's code, in one of three forms (``ENTRY``):
 - ``package.module:function`` where the function takes one argument: it gets the worker.
 
 An exception is reported to the local server as one line plus its traceback before exit 1.
+The process leads a process group of its own, so that the processes the user's code starts
+(DataLoader workers, a ``multiprocessing.Pool``) end with it (``local_server/procs.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ from typing import Callable
 
 from ..config import is_script
 from ..local_server import messages as m
+from ..local_server.procs import end_own_group, lead_own_group
 from . import client
-from .client import EvaluatorDone, LocalServerGone, Worker, WorkerContext
+from .client import EvaluatorDone, LocalServerGone, NotTraining, Worker, WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +155,21 @@ def _top_level_names(spec: importlib.machinery.ModuleSpec) -> set[str] | None:
     return None if "__getattr__" in names else names
 
 
+def _tell(ctx: WorkerContext, msg: object) -> None:
+    """Send ``msg`` to the local server if it is still there."""
+    try:
+        ctx.inbox.put(msg)
+    except OSError:
+        pass
+
+
+def _close(worker: Worker) -> None:
+    try:
+        worker.close()
+    except LocalServerGone:
+        pass
+
+
 def worker_main(ctx: WorkerContext, log_level: int) -> None:
     """Run one worker (or the evaluator); exits the process with 0 on success, 1 on failure."""
     # Ctrl-C reaches the whole process group; the local server decides how workers stop.
@@ -161,6 +179,7 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     # seconds with a node's workers ending at once on a busy machine; the node allows 5 s).
     # Registered first, so it runs after the user's own exit handlers.
     atexit.register(gc.freeze)
+    lead_own_group(ctx.parent_pid)
     who = "evaluator" if ctx.evaluator else f"worker {ctx.config.worker_id(ctx.local_index)}"
     logging.basicConfig(level=log_level, format=f"%(asctime)s {who} %(levelname)s %(message)s")
     if log_level > logging.DEBUG:  # PyTensor's dozen "Suppressed KeyError" lines at import
@@ -170,7 +189,7 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     try:
         entry = load_entry(ctx.config.entry)
     except ValueError as exc:  # a configuration error: one line, no traceback
-        ctx.inbox.put(m.Failed(ctx.local_index, str(exc)))
+        _tell(ctx, m.Failed(ctx.local_index, str(exc), life=ctx.restarts))
         sys.exit(1)
     try:
         entry()
@@ -183,10 +202,16 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     except LocalServerGone as exc:
         # told to stop before it could train (the node failed and said why): no second error
         (log.info if worker._stopped else log.error)("%s; exiting", exc)
+        if os.getppid() != ctx.parent_pid:  # dead, not stuck: nobody else will end our group
+            end_own_group()
+        sys.exit(1)
+    except NotTraining as exc:  # the user's loop, not lsgd: one line naming the fix
+        _tell(ctx, m.Failed(ctx.local_index, str(exc), life=ctx.restarts))
+        _close(worker)
         sys.exit(1)
     except BaseException as exc:  # noqa: BLE001 - reported to the local server, then exit 1
-        ctx.inbox.put(m.Failed(ctx.local_index, f"{type(exc).__name__}: {exc}",
-                               traceback.format_exc()))
-        worker.close()
+        _tell(ctx, m.Failed(ctx.local_index, f"{type(exc).__name__}: {exc}",
+                            traceback.format_exc(), life=ctx.restarts))
+        _close(worker)
         sys.exit(1)
     sys.exit(0)

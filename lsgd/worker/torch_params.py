@@ -12,6 +12,10 @@ or they are set to their mean over each round's participants on the node
 (``buffers="average"``). Integer buffers such as ``num_batches_tracked`` always stay per worker.
 Optimizer state (momentum buffers, Adam moments) is not registered: it stays with the user's
 optimizer, and keeps describing the worker's own trajectory after a pull.
+
+The registered tensors are updated in place; a module whose tensor is replaced after
+registration (``model.fc.weight = nn.Parameter(...)``) no longer trains what lsgd exchanges,
+which ``replaced()`` reports at each round.
 """
 
 from __future__ import annotations
@@ -26,9 +30,11 @@ class TorchParams:
     """Adapter for a PyTorch module or parameter list (CPU or CUDA, any float dtype)."""
 
     def __init__(self, model: Any, buffers: str = "local") -> None:
+        self._module: torch.nn.Module | None = None
         if isinstance(model, torch.nn.Module):
             params = list(model.parameters())
             stats = [b for b in model.buffers() if b.is_floating_point()]
+            self._module, self._named = model, self._tensors_of(model)
         else:
             params, stats = list(model), []
             if buffers != "local":
@@ -61,6 +67,21 @@ class TorchParams:
         self._host: torch.Tensor | None = None
         if self.device.type == "cuda":
             self._host = torch.empty(pos, dtype=torch.float32, pin_memory=True)
+
+    @staticmethod
+    def _tensors_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        named = dict(module.named_parameters())
+        named.update((n, b) for n, b in module.named_buffers() if b.is_floating_point())
+        return named
+
+    def replaced(self) -> str | None:
+        """Which of the module's tensors is no longer the one registered (None: none is)."""
+        if self._module is None:
+            return None
+        for name, t in self._tensors_of(self._module).items():
+            if self._named.get(name) is not t:
+                return f"the model's tensor '{name}' was replaced after register()"
+        return None
 
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()

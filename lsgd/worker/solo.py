@@ -1,0 +1,86 @@
+"""The stand-in worker that ``lsgd.connect()`` returns outside ``train.sh``, and the checks of
+the user's calls that it shares with the real worker (``client.py``), so that a quick local run
+refuses the same mistakes: ``step()`` before ``register()``, registering twice, a loss that is
+not one number.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..config import JobConfig
+from .adapters import ParamAdapter, as_params
+
+
+class SoloWorker:
+    """What ``connect()`` returns outside lsgd: the script trains alone, unchanged.
+
+    It checks the registered parameters (so mistakes show up in a quick local run) and lets the
+    loop run until its own end.
+    """
+
+    is_evaluator = False
+    local_index = worker_id = 0
+    num_workers = 1
+
+    def __init__(self) -> None:
+        self.config = JobConfig()
+        self.iterations = 0
+        self._params: ParamAdapter | None = None
+
+    def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
+                 buffers: str = "local", state: Any = None) -> None:
+        check_register(self._params)
+        self._params = as_params(params, buffers=buffers)
+
+    def shard(self, *arrays: Any, mode: str | None = None) -> Any:
+        return arrays[0] if len(arrays) == 1 else arrays
+
+    def step(self, loss: float) -> bool:
+        check_step(self._params)
+        loss_value(loss)
+        self.iterations += 1
+        return True
+
+    @property
+    def registered(self) -> bool:
+        return self._params is not None
+
+    def close(self) -> None:
+        pass
+
+
+def check_register(registered: ParamAdapter | None) -> None:
+    if registered is not None:
+        raise RuntimeError("register() may be called once")
+
+
+def check_step(registered: ParamAdapter | None) -> None:
+    if registered is None:
+        raise RuntimeError("call register() before step()")
+
+
+def loss_value(loss: Any) -> Any:
+    """The minibatch loss as ``step()`` keeps it: a float, or a detached one-element framework
+    tensor (read only at rounds, so a GPU loss costs no synchronisation per step).
+
+    Raises:
+        ValueError: anything but one number (checked at the step, not at the next round).
+    """
+    if isinstance(loss, float):
+        return loss
+    if hasattr(loss, "detach"):  # a framework tensor
+        if loss.numel() != 1:
+            raise ValueError(f"step() takes the minibatch loss, a scalar; got a tensor of "
+                             f"shape {tuple(loss.shape)}")
+        return loss.detach()
+    try:
+        return float(loss)  # numbers, numpy scalars, 0-d arrays
+    except TypeError:
+        arr = np.asarray(loss)  # a one-element array, like a one-element tensor
+        if arr.size != 1 or not np.issubdtype(arr.dtype, np.number):
+            raise ValueError(f"step() takes the minibatch loss, a scalar; got "
+                             f"{type(loss).__name__} of shape {arr.shape}") from None
+        return float(arr.reshape(-1)[0])
