@@ -65,6 +65,20 @@ def test_what_a_worker_starts_ends_with_it_killed_or_orphaned():
     assert not alive_after([worker, sleeper], 2.0)
 
 
+def test_ending_a_group_never_reaches_the_callers_own_group(monkeypatch):
+    # A process that never ran (pid 0 or None, as in stand-ins) or one in our own group: killpg(0)
+    # would kill the caller's whole group (the node, or the test runner).
+    from lsgd.local_server import procs
+
+    calls = []
+    monkeypatch.setattr(procs.os, "killpg", lambda pgid, sig: calls.append(pgid))
+    for pid in (0, None, 1, os.getpgrp()):
+        procs.end_group(pid)
+    assert calls == []
+    procs.end_group(os.getpgrp() + 1 if os.getpgrp() + 1 != os.getpid() else os.getpgrp() + 2)
+    assert len(calls) == 1
+
+
 @pytest.mark.timeout(60)
 def test_the_node_never_waits_at_exit_for_a_worker_left_running():
     # multiprocessing joins non-daemonic children at exit without a timeout; a worker that a

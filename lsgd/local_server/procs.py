@@ -56,6 +56,8 @@ def end_group(pid: int) -> None:
     group id stays taken while the group has a member). A worker that never got to lead its
     group has none: nothing happens.
     """
+    if not pid or pid <= 1 or pid == os.getpgrp():  # killpg(0) is our own group: never that
+        return
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
