@@ -295,11 +295,12 @@ def test_minutes_always_end_the_job_even_when_a_node_sits_on_its_credits():
     # its steps on the forfeited credits arrive later: counted (as late), the rest refused
     c.acquire(0, s, consumed=30, late=0, released=20, want=0, last_round_seen=c.round.id, now=72)
     assert c.done == 30
+    # at most the 20 released credits + one last step per worker (2) past the end
     with pytest.raises(CoordinatorError) as e:
-        c.acquire(0, s, consumed=0, late=21, released=0, want=0, last_round_seen=1, now=72)
+        c.acquire(0, s, consumed=0, late=23, released=0, want=0, last_round_seen=1, now=72)
     assert e.value.code == "INVALID_ARGUMENT" and c.done == 30
-    c.acquire(0, s, consumed=0, late=20, released=0, want=0, last_round_seen=1, now=72)
-    assert c.done == 50
+    c.acquire(0, s, consumed=0, late=22, released=0, want=0, last_round_seen=1, now=72)
+    assert c.done == 52
 
 
 # ---------------------------------------------------------------------- item 17: resume

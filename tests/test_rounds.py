@@ -27,6 +27,13 @@ from lsgd.rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, RoundKind
 PARAMS = 8
 
 
+class FakeInbox(queue.Queue):
+    """The node's inbox (``inbox.Inbox``) as one queue: the fake workers share it in-process."""
+
+    def drain(self, pid: int) -> list[object]:
+        return []  # what a dead fake worker sent is already in the queue
+
+
 class FakeProc:
     def __init__(self) -> None:
         self.exitcode: int | None = None
@@ -182,7 +189,7 @@ def node(tmp_path):
                                 max_seconds=None, node_timeout=30, round_timeout=5,
                                 join_timeout=5, now=time.monotonic())
         srv.client = FakeClient(cfg, coord)
-        srv.inbox = queue.Queue()
+        srv.inbox = FakeInbox()
         srv.store = NodeStore.create(StoreLayout.new(cfg.job_id, 0, PARAMS, cfg.workers,
                                                      srv.rule.node_buffers))
         srv.param_count, srv.training = PARAMS, True

@@ -125,6 +125,7 @@ def test_mutual_tls_requires_a_client_certificate_from_the_job_ca(secure_server,
         with pytest.raises(GlobalUnreachable, match="MTLS"):
             _join(sec, addr)
     assert not servicer.coord.nodes
+    assert _join(_sec(certs[0], node=0, mtls=True), addr, node=0).session > 0  # node 0 first
     assert _join(_sec(certs[0], node=1, mtls=True), addr, node=1).session > 0
 
 

@@ -20,7 +20,7 @@ from lsgd.signing import (MAX_SKEW, SIGNATURE_KEY, NonceMemory, Signer, Verifier
 
 SECRET = "correct-horse-battery-staple-" + "7" * 20
 JOIN = "/lsgd.v1.GlobalServer/Join"
-BODY = pb.JoinRequest(node=pb.NodeId(job_id="job", node_index=1), num_workers=1,
+BODY = pb.JoinRequest(node=pb.NodeId(job_id="job", node_index=0), num_workers=1,
                       param_count=4, algorithm="lsgd", num_groups=2).SerializeToString()
 
 
@@ -63,7 +63,7 @@ def test_a_signature_that_does_not_fit_the_call_is_refused(case, why):
         sig = SECRET  # e.g. an old node that sends the secret itself
     elif case == "other request":
         other = pb.JoinRequest.FromString(BODY)
-        other.node.node_index = 0  # another node, under node 1's signature
+        other.node.node_index = 1  # another node, under node 0's signature
         body = other.SerializeToString()
     elif case == "other method":
         method = "/lsgd.v1.GlobalServer/Leave"
@@ -271,7 +271,7 @@ def test_a_replayed_or_stale_signed_request_is_refused(server):
             join(BODY, metadata=((SIGNATURE_KEY, md),), timeout=5)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "NTP" in e.value.details()
-    assert servicer.coord.snapshot() == before and servicer.coord.nodes[1].session == first.session
+    assert servicer.coord.snapshot() == before and servicer.coord.nodes[0].session == first.session
     channel.close()
 
 

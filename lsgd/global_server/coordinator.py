@@ -248,6 +248,8 @@ class Coordinator(Membership, JobStop):
             self.round.checkpoint, self.next_checkpoint = _due(self.target, self.checkpoint_every,
                                                                self.next_checkpoint)
         log.debug("round %d (%s) at %d", self.round.id, self.round.kind.name, self.target)
+        if self.target_kind == RoundKind.FINAL:
+            self._grant_last_steps()
         if self.target_kind != RoundKind.FINAL:
             self.period_start = self.target
             self.target, self.target_kind = self.schedule.next_event(self.target)
@@ -256,6 +258,12 @@ class Coordinator(Membership, JobStop):
         if self.round.kind == RoundKind.LOCAL:
             # Local rounds have no cross-node barrier: each node runs its own.
             self.round.closed = True
+
+    def _grant_last_steps(self) -> None:
+        """The job ends: each worker may take one step past its last credit (the update its
+        loop makes before ``step()`` answers False, counted like any other), reported late."""
+        for node in self.live_nodes:
+            node.spare += node.workers
 
     def _maybe_close_round(self, now: float) -> None:
         rnd = self.round

@@ -52,6 +52,7 @@ class JobStop:
         if self.stopped is not None or self.finished:
             return False
         self.stopped, self.stopped_at, self.stop_reason = text, now, text
+        self._grant_last_steps()  # each worker's update before step() answered False
         if self.round is not None and not self.round.closed:
             self.round.closed = True  # its waiters wake and are told; no exchange follows
         log.warning("%s (counter %d)", text, self.done)

@@ -103,6 +103,7 @@ class Worker:
         self._pulled = 0  # leading slot entries that pulls move
         self._load_state_later = False
         self._stopped = False
+        self._past_end: bool | str = False  # a step was taken after the job ended (see step)
         # Fingerprint of the slot when lsgd last read the model or wrote it, and the step count
         # then: the model read unchanged after steps means the loop trains other arrays.
         self._touched: int | None = None
@@ -178,12 +179,21 @@ class Worker:
         """
         check_step(self._params)
         loss = loss_value(loss)
-        # The loop made this update whatever the answer: it is counted (reported by close()
-        # when the job is already over, e.g. it ended before this worker's first credit).
+        if self._stopped:
+            # The job ended before this update got a credit (e.g. before this worker's first
+            # one): the loop made it, so it is counted once (reported by close()). Steps of a
+            # loop that goes on after False train alone and are not counted.
+            if not self._past_end:
+                self._past_end = True
+                self.iterations += 1
+                self._unreported += 1
+            elif self._past_end is True:
+                self._past_end = "warned"
+                log.warning("step() after the job ended (it answered False): this loop trains "
+                            "alone now and its steps are not counted; leave the loop on False")
+            return False
         self.iterations += 1
         self._unreported += 1
-        if self._stopped:
-            return False
         if self._load_state_later and self._state is not None and self._state.exists:
             self._load_state_later = False
             self._state.load()
