@@ -18,7 +18,9 @@ def _out(worker, name: str) -> Path:
 
 
 def step_timer(worker) -> None:
-    """No training at all: time every ``worker.step`` call (the control plane's worst case)."""
+    """No real training: time every ``worker.step`` call (the control plane's worst case). The
+    parameters change by one in-place add per step, outside the timed call, as any training loop
+    changes them (lsgd stops a loop whose registered parameters never change)."""
     x = np.zeros(1000, np.float32)
     worker.register([x])
     cap = int(os.environ.get("BENCH_MAX_STEPS", "2000000"))
@@ -26,6 +28,7 @@ def step_timer(worker) -> None:
     clock = time.perf_counter_ns
     n = 0
     while n < cap:
+        x[n % x.size] += 1.0
         t0 = clock()
         keep = worker.step(0.5)
         ns[n] = clock() - t0

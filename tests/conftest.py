@@ -70,6 +70,13 @@ def metric_rows(path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def wait_for_rows(path, rows: int = 6, timeout: float = 60.0) -> None:
+    """Wait (bounded) until the CSV at ``path`` has ``rows`` lines: the node is training."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and len(path.read_text().splitlines() if path.exists() else []) < rows:
+        time.sleep(0.1)
+
+
 def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from conftest import assert_clean_exit, global_summary, metric_rows
+from conftest import assert_clean_exit, global_summary, metric_rows, wait_for_rows
 
 TOY = dict(ENTRY="toyjob:main", LOG_LEVEL="INFO")
 
@@ -83,9 +83,7 @@ def test_a_lost_node_is_dropped_and_rejoins(cluster, algorithm):
     port = cluster.port_of_node0()
     n1 = cluster(1, PORT=port, **knobs)
     metrics = cluster.run_dir / "node1" / "metrics.csv"
-    end = time.monotonic() + 60
-    while time.monotonic() < end and len(metrics.read_text().splitlines() if metrics.exists() else []) < 6:
-        time.sleep(0.1)
+    wait_for_rows(metrics)
     n1.kill_group()  # the node's local server and workers die at once
     killed = time.monotonic()
     while "node 1 dropped" not in n0.output and time.monotonic() < killed + 15:

@@ -4,11 +4,10 @@ item 8): the coordinator's rule with an injected clock, then the real thing with
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 
-from conftest import assert_clean_exit, global_summary, metric_rows
+from conftest import assert_clean_exit, global_summary, metric_rows, wait_for_rows
 from lsgd.global_server.coordinator import CoordinatorError
 from lsgd.leader import Candidate
 from lsgd.rules.base import RoundKind
@@ -94,9 +93,7 @@ def test_a_node_killed_and_restarted_at_once_rejoins_and_keeps_its_metrics(clust
     port = cluster.port_of_node0()
     n1 = cluster(1, PORT=port, **knobs)
     metrics = cluster.run_dir / "node1" / "metrics.csv"
-    end = time.monotonic() + 60
-    while time.monotonic() < end and len(metrics.read_text().splitlines() if metrics.exists() else []) < 6:
-        time.sleep(0.1)
+    wait_for_rows(metrics)
     session = json.loads((cluster.run_dir / "node1" / "session").read_text())["session"]
     assert session > 0
     n1.kill_group()  # the node's local server and workers die at once (a crash, an OOM kill)
