@@ -199,9 +199,63 @@ def test_a_global_server_told_to_stop_tells_the_nodes_first(tmp_path):
         c.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5)
         assert servicer.halt("terminated")
         c.heartbeat()
-        assert c.stopped == "job stopped on node 0: terminated"
+        assert c.stopped == "job stopped: the global server was terminated"
         assert not servicer.coord.stop_settled(servicer.clock(), linger=60.0)  # node 0 not told
         node0.heartbeat()
         assert servicer.coord.stop_settled(servicer.clock(), linger=60.0)  # all told: exit now
     finally:
         srv.stop(grace=0.5).wait(5)
+
+
+def test_a_leaving_node_may_report_late_steps_on_credits_it_still_held():
+    # A stuck worker's credits are released on the node, and its late steps come in before the
+    # release reached the server: the stop's Leave (which carries no release) still counts them.
+    c = make(iters=10**6)
+    s = running(c)
+    mine = acq(c, s, 0).grant
+    assert mine >= 2
+    c.stop_job(0, s[0], "interrupted", consumed=0, late=mine, now=1.0)
+    assert c.stopped and c.done == mine
+    held = c.nodes[1].outstanding
+    c.leave(1, s[1], consumed=0, late=held, now=1.1)  # the same for a node told of the stop
+    assert c.done == mine + held
+
+
+def test_a_restarted_server_keeps_a_stopped_job_stopped():
+    c = make(iters=10**6)
+    s = running(c)
+    c.stop_job(0, s[0], "interrupted", consumed=0, late=0, now=1.0)
+    saved = c.state(1.0)
+    again = make(iters=10**6, now=2.0)  # the restarted server process
+    again.restore(saved, now=2.0)
+    assert again.stopped == again.stop_reason == "job stopped on node 0: interrupted"
+    with pytest.raises(CoordinatorError) as e:  # node 1 reattaches: told, not admitted
+        again.join(job_id="j", index=1, workers=2, algorithm="lsgd", num_groups=2, now=2.1,
+                   resume_session=s[1], seq=1)
+    assert str(e.value) == again.stopped and 1 in again.told
+    assert again.round is None and again.stop_settled(2.1, linger=60.0)  # all told: it may exit
+
+
+def test_a_node_that_learns_of_the_stop_while_reattaching_ends_as_stopped():
+    from test_insider import _Node
+
+    class Refusing:
+        session, epoch = 5, 1
+
+        def join(self, **_):
+            raise _Status(grpc.StatusCode.FAILED_PRECONDITION, "job stopped on node 0: interrupted")
+
+    with pytest.raises(JobStopped) as e:
+        _Node(Refusing())._reattach()
+    assert str(e.value) == "job stopped on node 0: interrupted"
+
+
+class _Status(grpc.RpcError):
+    def __init__(self, code, details):
+        self._code, self._details = code, details
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details

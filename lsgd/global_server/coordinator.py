@@ -120,6 +120,12 @@ class Coordinator(Membership, JobStop):
         node.consumed += consumed + late
         self.done += consumed + late
 
+    def _settle_leaving(self, node: NodeState, consumed: int, late: int) -> None:
+        """A leaving node's last counts. It gives back every credit it still holds first, so
+        that steps a stuck worker took on credits the node released since its last report
+        (``Leave`` carries no release) are late steps on credits it was granted."""
+        self._consume(node, consumed, late, max(0, node.outstanding - consumed))
+
     def acquire(self, index: int, session: int, *, consumed: int, late: int, released: int,
                 want: int, last_round_seen: int, now: float, seq: int = 0) -> Grant:
         """Report consumed steps and ask for ``want`` more credits.
@@ -340,7 +346,8 @@ class Coordinator(Membership, JobStop):
         return {"done": self.done, "rounds_opened": self.rounds_opened, "target": self.target,
                 "target_kind": int(self.target_kind), "period_start": self.period_start,
                 "next_eval": self.next_eval, "next_checkpoint": self.next_checkpoint,
-                "stop_reason": self.stop_reason, "started": self.started}
+                "stop_reason": self.stop_reason, "started": self.started,
+                "stopped": self.stopped}
 
     def restore(self, state: dict, now: float, membership: bool = True) -> None:
         """Go on from ``state()``: every node that was alive gets ``node_timeout`` to reattach.
@@ -369,6 +376,9 @@ class Coordinator(Membership, JobStop):
                                              alive=bool(n["alive"]), left=bool(n["left"]),
                                              last_seq=int(n.get("last_seq", 0)),
                                              spare=int(n.get("spare", 0)), needs_resume=True)
+        if state.get("stopped"):  # the job had been stopped: a restarted server ends it too
+            self.stop_reason = None
+            self.halt(str(state["stopped"]), now)
 
     def snapshot(self) -> dict:
         """A JSON-able summary of the state (for logs and the run summary)."""

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 RECORD = 4096  # one page: a single write of it is never torn by a crash of the process
 # What a round opening or a stop changes (Coordinator.rounds_state, numbered)
 ROUND_FIELDS = ("dump", "done", "rounds_opened", "target", "target_kind", "period_start",
-                "next_eval", "next_checkpoint", "stop_reason", "started")
+                "next_eval", "next_checkpoint", "stop_reason", "started", "stopped")
 
 
 class Journal:
@@ -82,5 +82,5 @@ class Journal:
         if self.rounds_path.exists():
             rounds = json.loads(self.rounds_path.read_bytes().decode().strip() or "{}")
             if int(rounds.get("dump", 0)) > int(state.get("dump", 0)):
-                state = state | {k: rounds[k] for k in ROUND_FIELDS}
+                state = state | {k: rounds[k] for k in ROUND_FIELDS if k in rounds}
         return state

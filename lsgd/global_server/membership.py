@@ -83,6 +83,7 @@ class Membership:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"job id '{job_id}' does not match the server's '{self.job_id}'")
         if self.stopped is not None:
+            self.told.add(index)  # this refusal is how a (re)joining node learns of the stop
             raise CoordinatorError("FAILED_PRECONDITION", self.stopped)
         if algorithm != self.algorithm or num_groups != self.num_groups or workers != self.workers:
             raise CoordinatorError(
@@ -143,7 +144,7 @@ class Membership:
 
     def leave(self, index: int, session: int, consumed: int, late: int, now: float) -> None:
         node = self._node(index, session, now)
-        self._consume(node, consumed, late, 0)
+        self._settle_leaving(node, consumed, late)
         node.left = True
         node.outstanding = 0
         log.info("node %d left; counter %d", index, self.done)

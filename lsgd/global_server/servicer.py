@@ -321,7 +321,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         job as node 0 would, so that the nodes are told. False if there is nothing to stop."""
         with self.cond:
             if not self._change(lambda: self.coord.live_nodes and self.coord.halt(
-                    f"job stopped on node 0: {reason}", self.clock())):
+                    f"job stopped: the global server was {reason}", self.clock())):
                 return False
         self.params.abort(reason)
         return True

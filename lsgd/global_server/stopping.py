@@ -40,7 +40,7 @@ class JobStop:
             raise CoordinatorError("PERMISSION_DENIED",
                                    f"node {index} cannot stop the job; only node 0 can")
         node = self._node(index, session, now)
-        self._consume(node, consumed, late, 0)  # checked as any count (raises, changing nothing)
+        self._settle_leaving(node, consumed, late)  # checked as any count (raises, no change)
         node.left = True
         node.outstanding = 0
         self.halt(f"job stopped on node 0: {reason.strip()[:self.STOP_REASON_MAX] or 'stopped'}",
@@ -52,7 +52,8 @@ class JobStop:
         if self.stopped is not None or self.finished:
             return False
         self.stopped, self.stopped_at, self.stop_reason = text, now, text
-        self._grant_last_steps()  # each worker's update before step() answered False
+        if not self.finishing:  # the final round's opening granted it already
+            self._grant_last_steps()  # each worker's update before step() answered False
         if self.round is not None and not self.round.closed:
             self.round.closed = True  # its waiters wake and are told; no exchange follows
         log.warning("%s (counter %d)", text, self.done)

@@ -41,7 +41,7 @@ class GlobalUnreachable(RuntimeError):
 
 # The start of the reason the global server gives (in ``stopped`` fields, and refusing a Join)
 # once node 0 has stopped the job.
-JOB_STOPPED = "job stopped on node 0"
+JOB_STOPPED = "job stopped"  # every stop reason starts so (node 0's, or the server's own)
 
 
 def stop_reason_of(exc: grpc.RpcError) -> str | None:

@@ -31,7 +31,8 @@ from ..rules import ops
 from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, Exchange, RoundKind
 from . import checkpoint
 from . import messages as m
-from .global_client import GlobalUnreachable
+from .ending import JobStopped
+from .global_client import GlobalUnreachable, stop_reason_of
 from .state import NodeError, Report, WorkerState
 
 log = logging.getLogger("lsgd.local_server.server")
@@ -149,6 +150,8 @@ class RecoveryMixin:
             if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 self.next_reattach = now + self.reattach_delay
                 return False
+            if (why := stop_reason_of(exc)) is not None:  # the job was stopped meanwhile
+                raise JobStopped(why) from None
             # e.g. the server no longer knows this node's session: one line, no retry loop
             raise NodeError(f"reattaching: {exc.details()} ({exc.code().name})") from None
         if resp.session != old_session:  # the server refuses unknown sessions; never expected
