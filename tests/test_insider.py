@@ -306,7 +306,7 @@ def test_minutes_always_end_the_job_even_when_a_node_sits_on_its_credits():
 # ---------------------------------------------------------------------- item 17: resume
 def test_a_resume_that_matches_no_node_is_refused(server):
     servicer, addr = server
-    a, b = client(addr, 0), client(addr, 1)
+    a = client(addr, 0)
     join(a)
     stub = raw_stub(addr)
     for session in (a.session + 2, 12345):  # a stale or forged session; node 1 never joined
