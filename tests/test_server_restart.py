@@ -164,3 +164,21 @@ def test_round_ids_and_evaluations_never_repeat_after_a_server_restart(tmp_path)
     assert len(set(ids)) == len(ids) and ids == sorted(ids), seen
     evaluated = [it for _, it, ev in seen if ev]
     assert len(set(evaluated)) == len(evaluated) and len(evaluated) >= 2, seen
+
+
+def test_the_rounds_journal_never_lends_its_counter_to_older_request_numbers(tmp_path):
+    # state.json (dump 1) holds the counter with the nodes' request numbers; a newer round in the
+    # journal (dump 2) moves the schedule on, but its counter would pair a newer count with older
+    # numbers, and a reattaching node's lost request would then be counted twice.
+    from lsgd.global_server.journal import Journal
+
+    j = Journal(tmp_path)
+    state = {"dump": 1, "done": 100, "rounds_opened": 4, "target": 128, "target_kind": 1,
+             "period_start": 96, "next_eval": 0, "next_checkpoint": 0, "stop_reason": None,
+             "started": True, "stopped": None, "nodes": {"0": {"last_seq": 3}}}
+    j.write(state | {"dump": 2, "done": 130, "rounds_opened": 5, "target": 160,
+                     "period_start": 128}, members=False)
+    j.close()
+    got = j.load(state)
+    assert (got["rounds_opened"], got["target"], got["period_start"]) == (5, 160, 128)
+    assert got["done"] == 100 and got["nodes"] == state["nodes"]

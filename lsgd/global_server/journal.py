@@ -82,5 +82,9 @@ class Journal:
         if self.rounds_path.exists():
             rounds = json.loads(self.rounds_path.read_bytes().decode().strip() or "{}")
             if int(rounds.get("dump", 0)) > int(state.get("dump", 0)):
-                state = state | {k: rounds[k] for k in ROUND_FIELDS if k in rounds}
+                # Not its counter: the nodes' request numbers in ``state`` belong with the
+                # counter there, and a reattaching node counts the steps of a request whose
+                # answer it lost only if the server's number for it is older. Mixing the newer
+                # counter with the older numbers counted such steps twice.
+                state = state | {k: rounds[k] for k in ROUND_FIELDS if k in rounds and k != "done"}
         return state
