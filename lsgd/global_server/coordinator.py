@@ -377,7 +377,6 @@ class Coordinator(Membership, JobStop):
                                              last_seq=int(n.get("last_seq", 0)),
                                              spare=int(n.get("spare", 0)), needs_resume=True)
         if state.get("stopped"):  # the job had been stopped: a restarted server ends it too
-            self.stop_reason = None
             self.halt(str(state["stopped"]), now)
 
     def snapshot(self) -> dict:
