@@ -59,7 +59,11 @@ round_timeout="${ROUND_TIMEOUT:-30}"     # seconds a round waits for a late work
 node_timeout="${NODE_TIMEOUT:-5}"        # seconds of silence before a node is dropped
 join_timeout="${JOIN_TIMEOUT:-60}"       # seconds to wait for every node to join
 connect_timeout="${CONNECT_TIMEOUT:-20}" # seconds a node retries to reach the global server
-log_level="${LOG_LEVEL:-INFO}"
+# --- watching the job (docs/observability.md) ---------------------------------------------
+status_port="${STATUS_PORT:-}"           # node 0's status page + /metrics (empty: PORT+1; 0: off)
+progress_every="${PROGRESS_EVERY:-10}"   # seconds between progress lines in a log (0: none)
+tensorboard="${TENSORBOARD:-0}"          # 1: TensorBoard events in RUN_DIR/tensorboard
+log_level="${LOG_LEVEL:-INFO}"           # WARNING: no progress, only problems
 
 if [ $# -ne 1 ]; then
     echo "usage: bash train.sh <node-index>   (0 .. num_groups-1; node 0 hosts the global server)" >&2
@@ -79,4 +83,5 @@ exec "$PYTHON" -m lsgd train \
     --reconnect-timeout "$reconnect_timeout" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
     --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \
     --secret-file "$secret_file" --tls-ca "$tls_ca" --tls-cert "$tls_cert" --tls-key "$tls_key" \
-    --mtls "$mtls" --allow-insecure "$allow_insecure" --log-level "$log_level"
+    --mtls "$mtls" --allow-insecure "$allow_insecure" --status-port "$status_port" \
+    --progress-every "$progress_every" --tensorboard "$tensorboard" --log-level "$log_level"

@@ -83,6 +83,12 @@ class JobConfig:
     node_timeout: float = _f(5.0, "seconds of silence after which the global server drops a node")
     join_timeout: float = _f(60.0, "seconds the job waits for all nodes to join before it starts")
     connect_timeout: float = _f(20.0, "seconds a node retries to reach the global server")
+    status_port: int | None = _f(None, "node 0's status page, /status.json and /metrics (HTTP): "
+                                 "empty = PORT+1 (any free port when PORT is 0), 0 = off")
+    progress_every: float = _f(10.0, "seconds between progress lines when the output is not a "
+                               "terminal (a terminal gets a live line); 0: no progress")
+    tensorboard: bool = _f(False, "write TensorBoard event files under RUN_DIR/tensorboard "
+                           "(needs lsgd[tensorboard])")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -103,6 +109,10 @@ class JobConfig:
              f"use 0 .. {self.num_groups - 1}")
         need(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
         need(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
+        need(self.status_port is None or 0 <= self.status_port <= 65535,
+             f"status_port must be in 0..65535 (0: off), got {self.status_port}")
+        need(self.progress_every >= 0 and math.isfinite(self.progress_every),
+             f"progress_every must be >= 0 seconds (0: off), got {self.progress_every}")
         need(self.port != 0 or self.node_index == 0,
              "port 0 (any free port) is only valid on node 0; give other nodes the real port")
         for name in ("c1", "c2", "p1", "p2", "alpha"):
@@ -183,6 +193,15 @@ class JobConfig:
     def window(self) -> int:
         """Losses averaged for leader election."""
         return self.avg_size if self.avg_size is not None else max(1, self.l_comm // 2)
+
+    @property
+    def status_address(self) -> int | None:
+        """The status page's port: None when off, 0 for any free port."""
+        if self.status_port == 0:
+            return None
+        if self.status_port is None:
+            return 0 if self.port == 0 else (self.port + 1 if self.port < 65535 else 0)
+        return self.status_port
 
     @property
     def total_workers(self) -> int:

@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nlsgd.proto\x12\x07lsgd.v1\"=\n\x06NodeId\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nnode_index\x18\x02 \x01(\r\x12\x0f\n\x07session\x18\x03 \x01(\x04\"\x98\x02\n\x0bJoinRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\x12\x13\n\x0bparam_count\x18\x03 \x01(\x04\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12\x12\n\nnum_groups\x18\x05 \x01(\r\x12\x16\n\x0eresume_session\x18\x06 \x01(\x04\x12\x14\n\x0cheld_credits\x18\x07 \x01(\x04\x12\x12\n\nunreported\x18\x08 \x01(\x04\x12\x0b\n\x03seq\x18\t \x01(\x04\x12\x16\n\x0eunanswered_seq\x18\n \x01(\x04\x12\x18\n\x10unanswered_steps\x18\x0b \x01(\x04\x12\x18\n\x10replaces_session\x18\x0c \x01(\x04\"f\n\x0cJoinResponse\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x13\n\x0bseed_center\x18\x02 \x01(\x08\x12\x0f\n\x07\x63ounter\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x10\n\x08round_id\x18\x05 \x01(\x04\"1\n\x10HeartbeatRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\"D\n\x11HeartbeatResponse\x12\x0f\n\x07\x63ounter\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07stopped\x18\x03 \x01(\t\"\xba\x01\n\x15\x41\x63quireCreditsRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\x04\x12\x15\n\rlate_consumed\x18\x03 \x01(\x04\x12\x10\n\x08released\x18\x04 \x01(\x04\x12\x0c\n\x04want\x18\x05 \x01(\x04\x12\x17\n\x0flast_round_seen\x18\x06 \x01(\x04\x12\x13\n\x0bmax_wait_ms\x18\x07 \x01(\r\x12\x0b\n\x03seq\x18\x08 \x01(\x04\"H\n\x05Round\x12\n\n\x02id\x18\x01 \x01(\x04\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.lsgd.v1.RoundKind\x12\x11\n\titeration\x18\x03 \x01(\x04\"w\n\x16\x41\x63quireCreditsResponse\x12\r\n\x05grant\x18\x01 \x01(\x04\x12\x1d\n\x05round\x18\x02 \x01(\x0b\x32\x0e.lsgd.v1.Round\x12\x0f\n\x07\x63ounter\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07stopped\x18\x05 \x01(\t\",\n\tCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04loss\x18\x02 \x01(\x01\"\x8f\x01\n\x12ReportRoundRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12 \n\x04\x62\x65st\x18\x03 \x01(\x0b\x32\x12.lsgd.v1.Candidate\x12\x10\n\x08has_best\x18\x04 \x01(\x08\x12\x14\n\x0cparticipants\x18\x05 \x01(\r\"\xce\x01\n\x13ReportRoundResponse\x12\x0e\n\x06missed\x18\x01 \x01(\x08\x12\x12\n\nhas_leader\x18\x02 \x01(\x08\x12\"\n\x06leader\x18\x03 \x01(\x0b\x32\x12.lsgd.v1.Candidate\x12\x13\n\x0bleader_node\x18\x04 \x01(\r\x12\x14\n\x0cparticipants\x18\x05 \x01(\r\x12\r\n\x05nodes\x18\x06 \x03(\r\x12\x10\n\x08\x65valuate\x18\x07 \x01(\x08\x12\x12\n\ncheckpoint\x18\x08 \x01(\x08\x12\x0f\n\x07stopped\x18\t \x01(\t\"\xb3\x01\n\nPushHeader\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12#\n\x06\x62uffer\x18\x03 \x01(\x0e\x32\x13.lsgd.v1.BufferKind\x12\x13\n\x0bparam_count\x18\x04 \x01(\x04\x12\x10\n\x08summands\x18\x05 \x01(\r\x12(\n\x0bwire_format\x18\x06 \x01(\x0e\x32\x13.lsgd.v1.WireFormat\"h\n\x11PushParamsRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.lsgd.v1.PushHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.lsgd.v1.ParamChunkH\x00\x42\x06\n\x04part\"\x14\n\x12PushParamsResponse\"*\n\nParamChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xab\x01\n\x11PullParamsRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12#\n\x06\x62uffer\x18\x03 \x01(\x0e\x32\x13.lsgd.v1.BufferKind\x12\x16\n\x0e\x63hunk_elements\x18\x04 \x01(\r\x12(\n\x0bwire_format\x18\x05 \x01(\x0e\x32\x13.lsgd.v1.WireFormat\"h\n\x0cLeaveRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\x04\x12\x15\n\rlate_consumed\x18\x03 \x01(\x04\x12\x10\n\x08stop_job\x18\x04 \x01(\t\" \n\rLeaveResponse\x12\x0f\n\x07\x63ounter\x18\x01 \x01(\x04*j\n\tRoundKind\x12\x1a\n\x16ROUND_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_KIND_LOCAL\x10\x01\x12\x15\n\x11ROUND_KIND_GLOBAL\x10\x02\x12\x14\n\x10ROUND_KIND_FINAL\x10\x03*\x93\x01\n\nBufferKind\x12\x1b\n\x17\x42UFFER_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x42UFFER_KIND_GLOBAL_LEADER\x10\x01\x12\x16\n\x12\x42UFFER_KIND_CENTER\x10\x02\x12\x18\n\x14\x42UFFER_KIND_NODE_SUM\x10\x03\x12\x17\n\x13\x42UFFER_KIND_AVERAGE\x10\x04*C\n\nWireFormat\x12\x1b\n\x17WIRE_FORMAT_UNSPECIFIED\x10\x00\x12\x18\n\x14WIRE_FORMAT_BFLOAT16\x10\x01\x32\xe6\x03\n\x0cGlobalServer\x12\x33\n\x04Join\x12\x14.lsgd.v1.JoinRequest\x1a\x15.lsgd.v1.JoinResponse\x12\x42\n\tHeartbeat\x12\x19.lsgd.v1.HeartbeatRequest\x1a\x1a.lsgd.v1.HeartbeatResponse\x12Q\n\x0e\x41\x63quireCredits\x12\x1e.lsgd.v1.AcquireCreditsRequest\x1a\x1f.lsgd.v1.AcquireCreditsResponse\x12H\n\x0bReportRound\x12\x1b.lsgd.v1.ReportRoundRequest\x1a\x1c.lsgd.v1.ReportRoundResponse\x12G\n\nPushParams\x12\x1a.lsgd.v1.PushParamsRequest\x1a\x1b.lsgd.v1.PushParamsResponse(\x01\x12?\n\nPullParams\x12\x1a.lsgd.v1.PullParamsRequest\x1a\x13.lsgd.v1.ParamChunk0\x01\x12\x36\n\x05Leave\x12\x15.lsgd.v1.LeaveRequest\x1a\x16.lsgd.v1.LeaveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nlsgd.proto\x12\x07lsgd.v1\"=\n\x06NodeId\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nnode_index\x18\x02 \x01(\r\x12\x0f\n\x07session\x18\x03 \x01(\x04\"\x98\x02\n\x0bJoinRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x13\n\x0bnum_workers\x18\x02 \x01(\r\x12\x13\n\x0bparam_count\x18\x03 \x01(\x04\x12\x11\n\talgorithm\x18\x04 \x01(\t\x12\x12\n\nnum_groups\x18\x05 \x01(\r\x12\x16\n\x0eresume_session\x18\x06 \x01(\x04\x12\x14\n\x0cheld_credits\x18\x07 \x01(\x04\x12\x12\n\nunreported\x18\x08 \x01(\x04\x12\x0b\n\x03seq\x18\t \x01(\x04\x12\x16\n\x0eunanswered_seq\x18\n \x01(\x04\x12\x18\n\x10unanswered_steps\x18\x0b \x01(\x04\x12\x18\n\x10replaces_session\x18\x0c \x01(\x04\"f\n\x0cJoinResponse\x12\x0f\n\x07session\x18\x01 \x01(\x04\x12\x13\n\x0bseed_center\x18\x02 \x01(\x08\x12\x0f\n\x07\x63ounter\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x10\n\x08round_id\x18\x05 \x01(\x04\"V\n\x10HeartbeatRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12#\n\x06report\x18\x02 \x01(\x0b\x32\x13.lsgd.v1.NodeReport\"\xfc\x01\n\x11HeartbeatResponse\x12\x0f\n\x07\x63ounter\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0f\n\x07stopped\x18\x03 \x01(\t\x12\x13\n\x0bnodes_alive\x18\x04 \x01(\r\x12\x15\n\rnodes_missing\x18\x05 \x03(\r\x12\x13\n\x0bjob_started\x18\x06 \x01(\x08\x12\x12\n\nhas_leader\x18\x07 \x01(\x08\x12\"\n\x06leader\x18\x08 \x01(\x0b\x32\x12.lsgd.v1.Candidate\x12\x13\n\x0bleader_node\x18\t \x01(\r\x12\x0e\n\x06rounds\x18\n \x01(\x04\x12\x18\n\x10\x65valuations_held\x18\x0b \x01(\x04\"\xae\x01\n\nWorkerStat\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x12\n\niterations\x18\x02 \x01(\x04\x12\x0c\n\x04loss\x18\x03 \x01(\x01\x12\x10\n\x08\x64istance\x18\x04 \x01(\x01\x12\x13\n\x0b\x64istance_to\x18\x05 \x01(\t\x12\x0e\n\x06resets\x18\x06 \x01(\r\x12\x10\n\x08respawns\x18\x07 \x01(\r\x12\x10\n\x08training\x18\x08 \x01(\x08\x12\x10\n\x08round_id\x18\t \x01(\x04\"s\n\nEvaluation\x12\x10\n\x08round_id\x18\x01 \x01(\x04\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0e\n\x06target\x18\x03 \x01(\t\x12\x0e\n\x06metric\x18\x04 \x01(\t\x12\r\n\x05value\x18\x05 \x01(\x01\x12\x11\n\tworker_id\x18\x06 \x01(\r\"\x85\x02\n\nNodeReport\x12\r\n\x05steps\x18\x01 \x01(\x04\x12\x0c\n\x04rate\x18\x02 \x01(\x01\x12\x18\n\x10workers_training\x18\x03 \x01(\r\x12\x12\n\nreattaches\x18\x04 \x01(\r\x12$\n\x07workers\x18\x05 \x03(\x0b\x32\x13.lsgd.v1.WorkerStat\x12\x18\n\x10has_local_leader\x18\x06 \x01(\x08\x12(\n\x0clocal_leader\x18\x07 \x01(\x0b\x32\x12.lsgd.v1.Candidate\x12\x18\n\x10\x65valuations_from\x18\x08 \x01(\x04\x12(\n\x0b\x65valuations\x18\t \x03(\x0b\x32\x13.lsgd.v1.Evaluation\"\xba\x01\n\x15\x41\x63quireCreditsRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\x04\x12\x15\n\rlate_consumed\x18\x03 \x01(\x04\x12\x10\n\x08released\x18\x04 \x01(\x04\x12\x0c\n\x04want\x18\x05 \x01(\x04\x12\x17\n\x0flast_round_seen\x18\x06 \x01(\x04\x12\x13\n\x0bmax_wait_ms\x18\x07 \x01(\r\x12\x0b\n\x03seq\x18\x08 \x01(\x04\"H\n\x05Round\x12\n\n\x02id\x18\x01 \x01(\x04\x12 \n\x04kind\x18\x02 \x01(\x0e\x32\x12.lsgd.v1.RoundKind\x12\x11\n\titeration\x18\x03 \x01(\x04\"w\n\x16\x41\x63quireCreditsResponse\x12\r\n\x05grant\x18\x01 \x01(\x04\x12\x1d\n\x05round\x18\x02 \x01(\x0b\x32\x0e.lsgd.v1.Round\x12\x0f\n\x07\x63ounter\x18\x03 \x01(\x04\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\x12\x0f\n\x07stopped\x18\x05 \x01(\t\",\n\tCandidate\x12\x11\n\tworker_id\x18\x01 \x01(\r\x12\x0c\n\x04loss\x18\x02 \x01(\x01\"\x8f\x01\n\x12ReportRoundRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12 \n\x04\x62\x65st\x18\x03 \x01(\x0b\x32\x12.lsgd.v1.Candidate\x12\x10\n\x08has_best\x18\x04 \x01(\x08\x12\x14\n\x0cparticipants\x18\x05 \x01(\r\"\xce\x01\n\x13ReportRoundResponse\x12\x0e\n\x06missed\x18\x01 \x01(\x08\x12\x12\n\nhas_leader\x18\x02 \x01(\x08\x12\"\n\x06leader\x18\x03 \x01(\x0b\x32\x12.lsgd.v1.Candidate\x12\x13\n\x0bleader_node\x18\x04 \x01(\r\x12\x14\n\x0cparticipants\x18\x05 \x01(\r\x12\r\n\x05nodes\x18\x06 \x03(\r\x12\x10\n\x08\x65valuate\x18\x07 \x01(\x08\x12\x12\n\ncheckpoint\x18\x08 \x01(\x08\x12\x0f\n\x07stopped\x18\t \x01(\t\"\xb3\x01\n\nPushHeader\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12#\n\x06\x62uffer\x18\x03 \x01(\x0e\x32\x13.lsgd.v1.BufferKind\x12\x13\n\x0bparam_count\x18\x04 \x01(\x04\x12\x10\n\x08summands\x18\x05 \x01(\r\x12(\n\x0bwire_format\x18\x06 \x01(\x0e\x32\x13.lsgd.v1.WireFormat\"h\n\x11PushParamsRequest\x12%\n\x06header\x18\x01 \x01(\x0b\x32\x13.lsgd.v1.PushHeaderH\x00\x12$\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x13.lsgd.v1.ParamChunkH\x00\x42\x06\n\x04part\"\x14\n\x12PushParamsResponse\"*\n\nParamChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xab\x01\n\x11PullParamsRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08round_id\x18\x02 \x01(\x04\x12#\n\x06\x62uffer\x18\x03 \x01(\x0e\x32\x13.lsgd.v1.BufferKind\x12\x16\n\x0e\x63hunk_elements\x18\x04 \x01(\r\x12(\n\x0bwire_format\x18\x05 \x01(\x0e\x32\x13.lsgd.v1.WireFormat\"h\n\x0cLeaveRequest\x12\x1d\n\x04node\x18\x01 \x01(\x0b\x32\x0f.lsgd.v1.NodeId\x12\x10\n\x08\x63onsumed\x18\x02 \x01(\x04\x12\x15\n\rlate_consumed\x18\x03 \x01(\x04\x12\x10\n\x08stop_job\x18\x04 \x01(\t\" \n\rLeaveResponse\x12\x0f\n\x07\x63ounter\x18\x01 \x01(\x04*j\n\tRoundKind\x12\x1a\n\x16ROUND_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10ROUND_KIND_LOCAL\x10\x01\x12\x15\n\x11ROUND_KIND_GLOBAL\x10\x02\x12\x14\n\x10ROUND_KIND_FINAL\x10\x03*\x93\x01\n\nBufferKind\x12\x1b\n\x17\x42UFFER_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19\x42UFFER_KIND_GLOBAL_LEADER\x10\x01\x12\x16\n\x12\x42UFFER_KIND_CENTER\x10\x02\x12\x18\n\x14\x42UFFER_KIND_NODE_SUM\x10\x03\x12\x17\n\x13\x42UFFER_KIND_AVERAGE\x10\x04*C\n\nWireFormat\x12\x1b\n\x17WIRE_FORMAT_UNSPECIFIED\x10\x00\x12\x18\n\x14WIRE_FORMAT_BFLOAT16\x10\x01\x32\xe6\x03\n\x0cGlobalServer\x12\x33\n\x04Join\x12\x14.lsgd.v1.JoinRequest\x1a\x15.lsgd.v1.JoinResponse\x12\x42\n\tHeartbeat\x12\x19.lsgd.v1.HeartbeatRequest\x1a\x1a.lsgd.v1.HeartbeatResponse\x12Q\n\x0e\x41\x63quireCredits\x12\x1e.lsgd.v1.AcquireCreditsRequest\x1a\x1f.lsgd.v1.AcquireCreditsResponse\x12H\n\x0bReportRound\x12\x1b.lsgd.v1.ReportRoundRequest\x1a\x1c.lsgd.v1.ReportRoundResponse\x12G\n\nPushParams\x12\x1a.lsgd.v1.PushParamsRequest\x1a\x1b.lsgd.v1.PushParamsResponse(\x01\x12?\n\nPullParams\x12\x1a.lsgd.v1.PullParamsRequest\x1a\x13.lsgd.v1.ParamChunk0\x01\x12\x36\n\x05Leave\x12\x15.lsgd.v1.LeaveRequest\x1a\x16.lsgd.v1.LeaveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lsgd_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROUNDKIND']._serialized_start=2047
-  _globals['_ROUNDKIND']._serialized_end=2153
-  _globals['_BUFFERKIND']._serialized_start=2156
-  _globals['_BUFFERKIND']._serialized_end=2303
-  _globals['_WIREFORMAT']._serialized_start=2305
-  _globals['_WIREFORMAT']._serialized_end=2372
+  _globals['_ROUNDKIND']._serialized_start=2827
+  _globals['_ROUNDKIND']._serialized_end=2933
+  _globals['_BUFFERKIND']._serialized_start=2936
+  _globals['_BUFFERKIND']._serialized_end=3083
+  _globals['_WIREFORMAT']._serialized_start=3085
+  _globals['_WIREFORMAT']._serialized_end=3152
   _globals['_NODEID']._serialized_start=23
   _globals['_NODEID']._serialized_end=84
   _globals['_JOINREQUEST']._serialized_start=87
@@ -44,35 +44,41 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINRESPONSE']._serialized_start=369
   _globals['_JOINRESPONSE']._serialized_end=471
   _globals['_HEARTBEATREQUEST']._serialized_start=473
-  _globals['_HEARTBEATREQUEST']._serialized_end=522
-  _globals['_HEARTBEATRESPONSE']._serialized_start=524
-  _globals['_HEARTBEATRESPONSE']._serialized_end=592
-  _globals['_ACQUIRECREDITSREQUEST']._serialized_start=595
-  _globals['_ACQUIRECREDITSREQUEST']._serialized_end=781
-  _globals['_ROUND']._serialized_start=783
-  _globals['_ROUND']._serialized_end=855
-  _globals['_ACQUIRECREDITSRESPONSE']._serialized_start=857
-  _globals['_ACQUIRECREDITSRESPONSE']._serialized_end=976
-  _globals['_CANDIDATE']._serialized_start=978
-  _globals['_CANDIDATE']._serialized_end=1022
-  _globals['_REPORTROUNDREQUEST']._serialized_start=1025
-  _globals['_REPORTROUNDREQUEST']._serialized_end=1168
-  _globals['_REPORTROUNDRESPONSE']._serialized_start=1171
-  _globals['_REPORTROUNDRESPONSE']._serialized_end=1377
-  _globals['_PUSHHEADER']._serialized_start=1380
-  _globals['_PUSHHEADER']._serialized_end=1559
-  _globals['_PUSHPARAMSREQUEST']._serialized_start=1561
-  _globals['_PUSHPARAMSREQUEST']._serialized_end=1665
-  _globals['_PUSHPARAMSRESPONSE']._serialized_start=1667
-  _globals['_PUSHPARAMSRESPONSE']._serialized_end=1687
-  _globals['_PARAMCHUNK']._serialized_start=1689
-  _globals['_PARAMCHUNK']._serialized_end=1731
-  _globals['_PULLPARAMSREQUEST']._serialized_start=1734
-  _globals['_PULLPARAMSREQUEST']._serialized_end=1905
-  _globals['_LEAVEREQUEST']._serialized_start=1907
-  _globals['_LEAVEREQUEST']._serialized_end=2011
-  _globals['_LEAVERESPONSE']._serialized_start=2013
-  _globals['_LEAVERESPONSE']._serialized_end=2045
-  _globals['_GLOBALSERVER']._serialized_start=2375
-  _globals['_GLOBALSERVER']._serialized_end=2861
+  _globals['_HEARTBEATREQUEST']._serialized_end=559
+  _globals['_HEARTBEATRESPONSE']._serialized_start=562
+  _globals['_HEARTBEATRESPONSE']._serialized_end=814
+  _globals['_WORKERSTAT']._serialized_start=817
+  _globals['_WORKERSTAT']._serialized_end=991
+  _globals['_EVALUATION']._serialized_start=993
+  _globals['_EVALUATION']._serialized_end=1108
+  _globals['_NODEREPORT']._serialized_start=1111
+  _globals['_NODEREPORT']._serialized_end=1372
+  _globals['_ACQUIRECREDITSREQUEST']._serialized_start=1375
+  _globals['_ACQUIRECREDITSREQUEST']._serialized_end=1561
+  _globals['_ROUND']._serialized_start=1563
+  _globals['_ROUND']._serialized_end=1635
+  _globals['_ACQUIRECREDITSRESPONSE']._serialized_start=1637
+  _globals['_ACQUIRECREDITSRESPONSE']._serialized_end=1756
+  _globals['_CANDIDATE']._serialized_start=1758
+  _globals['_CANDIDATE']._serialized_end=1802
+  _globals['_REPORTROUNDREQUEST']._serialized_start=1805
+  _globals['_REPORTROUNDREQUEST']._serialized_end=1948
+  _globals['_REPORTROUNDRESPONSE']._serialized_start=1951
+  _globals['_REPORTROUNDRESPONSE']._serialized_end=2157
+  _globals['_PUSHHEADER']._serialized_start=2160
+  _globals['_PUSHHEADER']._serialized_end=2339
+  _globals['_PUSHPARAMSREQUEST']._serialized_start=2341
+  _globals['_PUSHPARAMSREQUEST']._serialized_end=2445
+  _globals['_PUSHPARAMSRESPONSE']._serialized_start=2447
+  _globals['_PUSHPARAMSRESPONSE']._serialized_end=2467
+  _globals['_PARAMCHUNK']._serialized_start=2469
+  _globals['_PARAMCHUNK']._serialized_end=2511
+  _globals['_PULLPARAMSREQUEST']._serialized_start=2514
+  _globals['_PULLPARAMSREQUEST']._serialized_end=2685
+  _globals['_LEAVEREQUEST']._serialized_start=2687
+  _globals['_LEAVEREQUEST']._serialized_end=2791
+  _globals['_LEAVERESPONSE']._serialized_start=2793
+  _globals['_LEAVERESPONSE']._serialized_end=2825
+  _globals['_GLOBALSERVER']._serialized_start=3155
+  _globals['_GLOBALSERVER']._serialized_end=3641
 # @@protoc_insertion_point(module_scope)

@@ -91,20 +91,98 @@ class JoinResponse(_message.Message):
     def __init__(self, session: _Optional[int] = ..., seed_center: _Optional[bool] = ..., counter: _Optional[int] = ..., epoch: _Optional[int] = ..., round_id: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node",)
+    __slots__ = ("node", "report")
     NODE_FIELD_NUMBER: _ClassVar[int]
+    REPORT_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ...) -> None: ...
+    report: NodeReport
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., report: _Optional[_Union[NodeReport, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("counter", "epoch", "stopped")
+    __slots__ = ("counter", "epoch", "stopped", "nodes_alive", "nodes_missing", "job_started", "has_leader", "leader", "leader_node", "rounds", "evaluations_held")
     COUNTER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    NODES_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    NODES_MISSING_FIELD_NUMBER: _ClassVar[int]
+    JOB_STARTED_FIELD_NUMBER: _ClassVar[int]
+    HAS_LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_FIELD_NUMBER: _ClassVar[int]
+    LEADER_NODE_FIELD_NUMBER: _ClassVar[int]
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATIONS_HELD_FIELD_NUMBER: _ClassVar[int]
     counter: int
     epoch: int
     stopped: str
-    def __init__(self, counter: _Optional[int] = ..., epoch: _Optional[int] = ..., stopped: _Optional[str] = ...) -> None: ...
+    nodes_alive: int
+    nodes_missing: _containers.RepeatedScalarFieldContainer[int]
+    job_started: bool
+    has_leader: bool
+    leader: Candidate
+    leader_node: int
+    rounds: int
+    evaluations_held: int
+    def __init__(self, counter: _Optional[int] = ..., epoch: _Optional[int] = ..., stopped: _Optional[str] = ..., nodes_alive: _Optional[int] = ..., nodes_missing: _Optional[_Iterable[int]] = ..., job_started: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., rounds: _Optional[int] = ..., evaluations_held: _Optional[int] = ...) -> None: ...
+
+class WorkerStat(_message.Message):
+    __slots__ = ("worker_id", "iterations", "loss", "distance", "distance_to", "resets", "respawns", "training", "round_id")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATIONS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    DISTANCE_FIELD_NUMBER: _ClassVar[int]
+    DISTANCE_TO_FIELD_NUMBER: _ClassVar[int]
+    RESETS_FIELD_NUMBER: _ClassVar[int]
+    RESPAWNS_FIELD_NUMBER: _ClassVar[int]
+    TRAINING_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: int
+    iterations: int
+    loss: float
+    distance: float
+    distance_to: str
+    resets: int
+    respawns: int
+    training: bool
+    round_id: int
+    def __init__(self, worker_id: _Optional[int] = ..., iterations: _Optional[int] = ..., loss: _Optional[float] = ..., distance: _Optional[float] = ..., distance_to: _Optional[str] = ..., resets: _Optional[int] = ..., respawns: _Optional[int] = ..., training: _Optional[bool] = ..., round_id: _Optional[int] = ...) -> None: ...
+
+class Evaluation(_message.Message):
+    __slots__ = ("round_id", "iteration", "target", "metric", "value", "worker_id")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    METRIC_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    iteration: int
+    target: str
+    metric: str
+    value: float
+    worker_id: int
+    def __init__(self, round_id: _Optional[int] = ..., iteration: _Optional[int] = ..., target: _Optional[str] = ..., metric: _Optional[str] = ..., value: _Optional[float] = ..., worker_id: _Optional[int] = ...) -> None: ...
+
+class NodeReport(_message.Message):
+    __slots__ = ("steps", "rate", "workers_training", "reattaches", "workers", "has_local_leader", "local_leader", "evaluations_from", "evaluations")
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    RATE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_TRAINING_FIELD_NUMBER: _ClassVar[int]
+    REATTACHES_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    HAS_LOCAL_LEADER_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_LEADER_FIELD_NUMBER: _ClassVar[int]
+    EVALUATIONS_FROM_FIELD_NUMBER: _ClassVar[int]
+    EVALUATIONS_FIELD_NUMBER: _ClassVar[int]
+    steps: int
+    rate: float
+    workers_training: int
+    reattaches: int
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerStat]
+    has_local_leader: bool
+    local_leader: Candidate
+    evaluations_from: int
+    evaluations: _containers.RepeatedCompositeFieldContainer[Evaluation]
+    def __init__(self, steps: _Optional[int] = ..., rate: _Optional[float] = ..., workers_training: _Optional[int] = ..., reattaches: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStat, _Mapping]]] = ..., has_local_leader: _Optional[bool] = ..., local_leader: _Optional[_Union[Candidate, _Mapping]] = ..., evaluations_from: _Optional[int] = ..., evaluations: _Optional[_Iterable[_Union[Evaluation, _Mapping]]] = ...) -> None: ...
 
 class AcquireCreditsRequest(_message.Message):
     __slots__ = ("node", "consumed", "late_consumed", "released", "want", "last_round_seen", "max_wait_ms", "seq")
