@@ -74,6 +74,7 @@ class Coordinator(Membership, JobStop):
         self.stopped: str | None = None  # the job was stopped (stop_job), for this reason
         self.stopped_at = 0.0
         self.told: set[int] = set()  # nodes that have been answered with ``stopped``
+        self.last_leader: RoundState | None = None  # newest closed global round with a leader
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -286,6 +287,7 @@ class Coordinator(Membership, JobStop):
         rnd.leader = elect(c for c, _ in rnd.reports.values() if c is not None)
         if rnd.leader is not None:
             rnd.leader_node = next(i for i, (c, _) in rnd.reports.items() if c == rnd.leader)
+            self.last_leader = rnd
 
     # ------------------------------------------------------------------ rounds
     def report(self, index: int, session: int, round_id: int, best: Candidate | None,
@@ -378,6 +380,11 @@ class Coordinator(Membership, JobStop):
                                              spare=int(n.get("spare", 0)), needs_resume=True)
         if state.get("stopped"):  # the job had been stopped: a restarted server ends it too
             self.halt(str(state["stopped"]), now)
+
+    def missing_nodes(self) -> list[int]:
+        """Nodes of the job that are not taking part now: never joined, dropped or left."""
+        live = {n.index for n in self.live_nodes}
+        return [i for i in range(self.num_groups) if i not in live]
 
     def snapshot(self) -> dict:
         """A JSON-able summary of the state (for logs and the run summary)."""

@@ -183,10 +183,24 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         def beat() -> pb.HeartbeatResponse:
             self._check(request.node)
             self.coord.heartbeat(request.node.node_index, request.node.session, self.clock())
-            return pb.HeartbeatResponse(counter=self.coord.done, epoch=self.epoch,
-                                        stopped=self.coord.stopped_for(request.node.node_index))
+            return self._heartbeat_answer(request.node.node_index)
 
         return self._call(context, beat)
+
+    def _heartbeat_answer(self, index: int) -> pb.HeartbeatResponse:
+        """The counter, the stop, and what a node's progress line shows (caller holds the lock)."""
+        coord = self.coord
+        resp = pb.HeartbeatResponse(counter=coord.done, epoch=self.epoch,
+                                    stopped=coord.stopped_for(index),
+                                    nodes_alive=len(coord.live_nodes),
+                                    nodes_missing=coord.missing_nodes()[:64],
+                                    job_started=coord.started, rounds=coord.rounds_opened)
+        best = coord.last_leader
+        if best is not None and best.leader is not None:
+            resp.has_leader = True
+            resp.leader.worker_id, resp.leader.loss = best.leader.worker_id, best.leader.loss
+            resp.leader_node = best.leader_node or 0
+        return resp
 
     def AcquireCredits(self, request: pb.AcquireCreditsRequest,
                        context: grpc.ServicerContext) -> pb.AcquireCreditsResponse:

@@ -8,11 +8,15 @@ center), ``metric`` and ``value``, with ``worker_id`` naming the leader that was
 from __future__ import annotations
 
 import csv
+import logging
+import math
 import os
+from pathlib import Path
+from typing import Callable
 
 from ..files import open_private, private_dir
-import math
-from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 COLUMNS = ["round", "kind", "iteration", "time_s", "worker_id", "worker_iterations", "loss",
            "local_leader", "global_leader", "pull_local", "pull_global", "pull_center",
@@ -32,6 +36,7 @@ class MetricsWriter:
         self._file = open_private(self._tmp or path, "a" if keep and not staged else "w",
                                   newline="")
         self._csv = csv.DictWriter(self._file, fieldnames=COLUMNS)
+        self._sinks: list[Callable[[list[dict]], None]] = []
         if self._file.tell() == 0:
             self._csv.writeheader()
         self._file.flush()
@@ -45,7 +50,7 @@ class MetricsWriter:
 
     def resume(self, previous: list[dict], last_round: int) -> None:
         """Continue the rows of an earlier run up to ``last_round`` (a checkpoint's round)."""
-        self.rows([r for r in previous if r.get("round", "").isdigit() and int(r["round"]) <= last_round])
+        self._write([r for r in previous if r.get("round", "").isdigit() and int(r["round"]) <= last_round])
         if self._tmp is not None:
             os.replace(self._tmp, self.path)
             self._tmp = None
@@ -58,7 +63,22 @@ class MetricsWriter:
         with path.open(newline="") as f:
             return list(csv.DictReader(f))
 
+    def add_sink(self, sink: Callable[[list[dict]], None]) -> None:
+        """Also hand every new batch of rows (as written, unformatted) to ``sink``: the node's
+        view (progress line, status report), TensorBoard. A sink that raises is dropped with
+        one warning; the CSV goes on."""
+        self._sinks.append(sink)
+
     def rows(self, rows: list[dict]) -> None:
+        self._write(rows)
+        for sink in list(self._sinks):
+            try:
+                sink(rows)
+            except Exception as exc:  # noqa: BLE001 - watching must never stop training
+                log.warning("metrics sink %s failed and is dropped: %s", sink, exc)
+                self._sinks.remove(sink)
+
+    def _write(self, rows: list[dict]) -> None:
         for row in rows:
             self._csv.writerow({k: _fmt(row.get(k)) for k in COLUMNS})
         self._file.flush()
