@@ -36,6 +36,9 @@ NODE_URI = "lsgd://node/{}"  # SAN URI naming a node's index in its certificate
 _NODE_URI = re.compile(r"lsgd://node/(\d{1,9})")
 SECRET_ENV = "LSGD_SECRET"
 MIN_SECRET = 16  # characters
+# Standard services a probe or a tool calls without the job secret (health checking, server
+# reflection): they read nothing of the job's and change nothing (global_server/probes.py).
+UNSIGNED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/")
 
 
 class SecurityError(ValueError):
@@ -149,6 +152,7 @@ class CallCheck(grpc.ServerInterceptor):
 
     Both look at the request as received: its bytes (signature) and its ``node`` (for an
     upload, the header's); a stream is checked when its handler reads the first message.
+    Calls to ``UNSIGNED_SERVICES`` (health, reflection) pass unchecked: a probe has no secret.
     """
 
     def __init__(self, secret: str | None, check_nodes: bool = False,
@@ -161,6 +165,8 @@ class CallCheck(grpc.ServerInterceptor):
         if handler is None or (self.verifier is None and not self.check_nodes):
             return handler
         method = details.method.decode() if isinstance(details.method, bytes) else details.method
+        if method.startswith(UNSIGNED_SERVICES):
+            return handler
         signature = next((v for k, v in details.invocation_metadata or () if k == SIGNATURE_KEY),
                          None)
         raw: list[bytes] = []  # the first request message's bytes, as received

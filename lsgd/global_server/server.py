@@ -25,11 +25,13 @@ from ..config import JobConfig
 from ..files import private_dir, write_atomic
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import Security, is_loopback
+from ..status.http import start_status_page
 from ..wire import GRPC_OPTIONS
 from .admission import Admission, Limits
 from .coordinator import Coordinator, Schedule
 from .journal import Journal
 from .params import ParamStore
+from .probes import add_probes
 from .servicer import GlobalServicer
 
 log = logging.getLogger(__name__)
@@ -72,7 +74,9 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
     ``limits`` caps parameter streams and long-polls (default: sized from the servicer's job,
     ``Limits.for_job``); the thread pool has ``limits.threads`` threads, of which parameter
     streams never take more than ``limits.streams``. The call counts are in
-    ``servicer.calls.counts``, refusals and cancellations in ``servicer.admission``.
+    ``servicer.calls.counts``, refusals and cancellations in ``servicer.admission``, failed
+    calls in ``servicer.stats``. The server also answers gRPC health checks (SERVING until the
+    job is over, ``servicer.health``) and server reflection (``probes.py``).
     """
     security = security or Security()
     limits = limits or Limits.for_job(servicer.coord.num_groups, servicer.round_timeout)
@@ -80,9 +84,12 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads,
                                                     thread_name_prefix="lsgd-global"),
                          options=SERVER_OPTIONS,
-                         interceptors=[*security.server_interceptors(), servicer.calls,
+                         interceptors=[servicer.stats.interceptor,
+                                       *security.server_interceptors(), servicer.calls,
                                        servicer.admission])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
+    coord = servicer.coord
+    servicer.health = add_probes(server, serving=not (coord.finished or coord.stopped is not None))
     creds = security.server_credentials()
     try:
         port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
@@ -150,6 +157,9 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     write_atomic(out.parent / "global.port", f"{port}\n")
     write_atomic(out / "server.pid", f"{os.getpid()}\n")
     log.info("global server listening on %s:%d (job %s)", bind, port, config.job_id)
+    servicer.board.restarts = _count_restarts(out, restore)
+    page = start_status_page(config, servicer, security.secret if security else None, out,
+                             restore=restore)
     if ready is not None:
         ready.send(("ready", port))
     coord = servicer.coord
@@ -185,7 +195,10 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                 log.error("%s; stopping", why)
                 break
     finally:
+        servicer.health(False)  # probes see the end before the port closes
         server.stop(grace=1.0).wait(5.0)
+        if page is not None:
+            page.stop()
         _save(servicer, state_file, params_file, saved_state)
         journal.close()
         with servicer.cond:
@@ -202,6 +215,19 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         log.info("global server stopped: counter %d, %d rounds, %s", coord.done,
                  coord.rounds_opened, summary["stop_reason"])
     return code
+
+
+def _count_restarts(out: Path, restore: bool) -> int:
+    """How many times this job's global server was started again (restores), kept in
+    ``out/restarts``."""
+    path, count = out / "restarts", 0
+    if restore:
+        try:
+            count = int(path.read_text().strip()) + 1
+        except (OSError, ValueError):
+            count = 1
+    write_atomic(path, f"{count}\n")
+    return count
 
 
 def _save(servicer: GlobalServicer, state_file: Path, params_file: Path, last: dict | None) -> dict:

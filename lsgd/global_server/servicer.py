@@ -22,6 +22,8 @@ from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..rules.base import RoundKind
 from .coordinator import Coordinator, CoordinatorError
 from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, ParamStore
+from .rpcstats import RpcStats
+from .status import StatusBoard
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,14 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self._exchanged = 0  # newest round whose parameter exchange was started
         self.calls = CallCounter()
         self.admission = None  # the server's Admission (caps on streams and polls), once serving
+        # What the status page shows (lsgd/status/http.py reads it under the lock), failed
+        # calls and bytes moved (/metrics), and the gRPC health service once serving.
+        self.board = StatusBoard(coordinator.num_groups, coordinator.workers,
+                                 coordinator.started_at)
+        self.stats = RpcStats()
+        self.health: Callable[[bool], None] | None = None  # set_serving(False) when the job is over
+        self._over = False  # the job finished or was stopped (the board's state says so)
+        self._told_health = False
         # Called (lock held) with the state and whether membership changed, whenever a round
         # opens, the stop target moves or a node joins, before any node can learn of it
         # (journal.py writes it), so a restarted server never issues a round id twice.
@@ -87,6 +97,9 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         with self.cond:
             self._change(lambda: self.coord.tick(self.clock()))
         self.params.poll()
+        if self._over and not self._told_health and self.health is not None:
+            self._told_health = True  # outside the lock: the health service answers watchers
+            self.health(False)
 
     def _after_change(self) -> None:
         """Start the parameter exchange of a newly closed global/final round (lock held)."""
@@ -114,6 +127,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         before = self._state()
         result = fn()
         self._after_change()
+        self.board.observe(self.coord, self.clock())
+        self._over = self.coord.finished or self.coord.stopped is not None
         if self._state() != before:
             self.cond.notify_all()
         if self.journal is not None:
@@ -181,9 +196,18 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
 
     def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.ServicerContext) -> pb.HeartbeatResponse:
         def beat() -> pb.HeartbeatResponse:
-            self._check(request.node)
-            self.coord.heartbeat(request.node.node_index, request.node.session, self.clock())
-            return self._heartbeat_answer(request.node.node_index)
+            node = request.node
+            self._check(node)
+            report = (self.board.parse(node.node_index, request.report, self.coord.rounds_opened)
+                      if request.HasField("report") else None)  # checked before any change
+            self.coord.heartbeat(node.node_index, node.session, self.clock())
+            resp = self._heartbeat_answer(node.node_index)
+            if report is not None:
+                resp.evaluations_held = self.board.store(node.node_index, node.session, report,
+                                                         self.clock())
+            else:
+                resp.evaluations_held = self.board.evaluations_held(node.node_index, node.session)
+            return resp
 
         return self._call(context, beat)
 
@@ -279,10 +303,14 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                                      self.coord.heartbeat(h.node.node_index, h.node.session,
                                                           self.clock())))
 
+        received = 0
+
         def chunks() -> Iterator[tuple[int, bytes]]:
+            nonlocal received
             for req in request_iterator:
                 if not req.HasField("chunk"):
                     raise ParamError("INVALID_ARGUMENT", "only chunks may follow the header")
+                received += len(req.chunk.data)
                 yield req.chunk.offset, req.chunk.data
 
         try:
@@ -290,6 +318,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                              chunks(), wire=wire)
         except ParamError as exc:
             _abort(context, exc)
+        finally:
+            self.stats.moved(received=received)
         return pb.PushParamsResponse()
 
     def PullParams(self, request: pb.PullParamsRequest,
@@ -308,12 +338,16 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         if not 1 <= chunk <= MAX_CHUNK:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
+        sent = 0
         try:
             for offset, data in self.params.pull(request.round_id, buffer, chunk,
                                                  timeout=self.round_timeout, wire=wire):
                 yield pb.ParamChunk(offset=offset, data=data)
+                sent += len(data)
         except ParamError as exc:
             _abort(context, exc)
+        finally:
+            self.stats.moved(sent=sent)
 
     def Leave(self, request: pb.LeaveRequest, context: grpc.ServicerContext) -> pb.LeaveResponse:
         def leave() -> pb.LeaveResponse:

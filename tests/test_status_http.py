@@ -1,0 +1,372 @@
+"""The status page, /metrics and the gRPC probes of a real global server on 127.0.0.1:0.
+
+Fake nodes join and heartbeat with reports over gRPC; the pages are read over HTTP.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from lsgd.config import JobConfig
+from lsgd.global_server.server import build_servicer, create_server, serve
+from lsgd.leader import Candidate
+from lsgd.local_server.global_client import GlobalClient
+from lsgd.proto import lsgd_pb2 as pb
+from lsgd.proto import lsgd_pb2_grpc as pb_grpc
+from lsgd.security import Security
+from lsgd.status import status_token
+from lsgd.status.http import MAX_REQUESTS, start_status_page, status_host
+
+SECRET = "s3cret-for-the-status-tests-0123456789"
+JOB = "obs"
+
+
+class Job:
+    """A global server (gRPC and status page) in this process, and its fake nodes."""
+
+    def __init__(self, tmp_path, secret: str | None = None) -> None:
+        self.config = JobConfig(num_groups=2, workers=2, job_id=JOB, l_comm=2, g_comm=4,
+                                iterations=4000, port=0, run_dir=str(tmp_path),
+                                node_timeout=60.0)
+        self.security = Security(secret=secret)
+        self.servicer = build_servicer(self.config)
+        self.server, port = create_server("127.0.0.1:0", self.servicer, self.security)
+        self.addr = f"127.0.0.1:{port}"
+        out = tmp_path / "global"
+        out.mkdir(exist_ok=True)
+        self.page = start_status_page(self.config, self.servicer, secret, out)
+        assert self.page is not None
+        self.url = f"http://127.0.0.1:{self.page.port}"
+        self.token = status_token(secret.encode()) if secret else None
+        self.clients: list[GlobalClient] = []
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.page.stop()
+        self.server.stop(grace=0.5).wait(5)
+
+    def node(self, index: int) -> GlobalClient:
+        c = GlobalClient(self.addr, JOB, index, round_timeout=5.0, security=self.security)
+        c.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5)
+        self.clients.append(c)
+        return c
+
+    def beat(self, c: GlobalClient, report: pb.NodeReport | None = None) -> pb.HeartbeatResponse:
+        stub = pb_grpc.GlobalServerStub(c._channel)  # the node's own (signed) channel
+        req = pb.HeartbeatRequest(node=pb.NodeId(job_id=JOB, node_index=c.node_index,
+                                                 session=c.session))
+        if report is not None:
+            req.report.CopyFrom(report)
+        return stub.Heartbeat(req, timeout=5)
+
+    def get(self, path: str, token: str | None = "default", headers: dict | None = None):
+        """(status, content type, body) of GET ``path``."""
+        headers = dict(headers or {})
+        token = self.token if token == "default" else token
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        req = urllib.request.Request(self.url + path, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=5) as resp:
+                return resp.status, resp.headers["Content-Type"], resp.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers["Content-Type"], exc.read()
+
+    def json(self, path: str) -> dict:
+        code, ctype, body = self.get(path)
+        assert code == 200 and ctype == "application/json", (code, body[:200])
+        return json.loads(body)
+
+    def metrics(self) -> dict:
+        code, ctype, body = self.get("/metrics")
+        assert code == 200 and ctype.startswith("text/plain"), code
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(body.decode()) for s in fam.samples}
+
+
+@pytest.fixture
+def job(tmp_path):
+    j = Job(tmp_path)
+    yield j
+    j.close()
+
+
+@pytest.fixture
+def secret_job(tmp_path):
+    j = Job(tmp_path, secret=SECRET)
+    yield j
+    j.close()
+
+
+def node_report(index: int, rnd: int = 0, evaluations=(), start: int = 0) -> pb.NodeReport:
+    r = pb.NodeReport(steps=8, rate=4.0, workers_training=2, evaluations_from=start,
+                      has_local_leader=True,
+                      local_leader=pb.Candidate(worker_id=2 * index + 1, loss=0.25))
+    for k in range(2):
+        r.workers.append(pb.WorkerStat(worker_id=2 * index + k, iterations=4, loss=0.5 - k / 4,
+                                       distance=0.1 * k, distance_to="global_leader",
+                                       training=True, round_id=rnd))
+    r.evaluations.extend(evaluations)
+    return r
+
+
+def run_until_round(a: GlobalClient, b: GlobalClient, seen: int) -> tuple[int, int]:
+    """Both nodes take and use credits until a round opens; returns its (id, kind)."""
+    held = {0: 0, 1: 0}
+    for _ in range(200):
+        for i, c in ((0, a), (1, b)):
+            ans = c.acquire(consumed=held[i], late=0, released=0, want=100,
+                            last_round_seen=seen, max_wait=0)
+            held[i] = ans.grant
+            if ans.round_id > seen:
+                return ans.round_id, ans.round_kind
+    raise AssertionError("no round opened")
+
+
+def test_status_history_and_metrics_follow_the_job(job):
+    a, b = job.node(0), job.node(1)
+    assert job.json("/status.json")["job"]["state"] == "running"
+    rid, kind = run_until_round(a, b, 0)
+    assert (rid, kind) == (1, pb.ROUND_KIND_LOCAL)
+    rid, kind = run_until_round(a, b, 1)
+    assert (rid, kind) == (2, pb.ROUND_KIND_GLOBAL)
+    answers = {}
+    t = threading.Thread(target=lambda: answers.setdefault(0, a.report_round(rid, Candidate(1, 0.4), 2)))
+    t.start()
+    answers[1] = b.report_round(rid, Candidate(2, 0.3), 2)
+    t.join(10)
+    assert answers[0].leader_node == 1
+    b.push("global_leader", np.arange(10, dtype=np.float32), rid)  # 40 bytes in
+    out = np.zeros(10, np.float32)
+    a.pull("global_leader", out, rid)  # 40 bytes out
+    evals = [pb.Evaluation(round_id=2, iteration=16, target="leader", metric="accuracy",
+                           value=0.75, worker_id=2)]
+    assert job.beat(a, node_report(0, rid, evals)).evaluations_held == 1
+    assert job.beat(b, node_report(1, rid)).evaluations_held == 0
+    assert job.beat(a).evaluations_held == 1  # without a report: what the server holds
+
+    snap = job.json("/status.json")
+    j = snap["job"]
+    assert (j["id"], j["state"], j["counter"], j["workers_per_node"]) == (JOB, "running", 16, 2)
+    assert j["budget"] == {"iterations": 4000, "minutes": None} and j["restarts"] == 0
+    assert j["rounds"] == {"local": 1, "global": 1, "final": 0, "total": 2}
+    assert snap["leader"] == {"worker": 2, "node": 1, "loss": 0.3, "round": 2, "iteration": 16}
+    assert [(n["index"], n["alive"], n["steps"], n["rate"]) for n in snap["nodes"]] == \
+        [(0, True, 8, 4.0), (1, True, 8, 4.0)]
+    assert snap["nodes"][1]["local_leader"] == {"worker": 3, "loss": 0.25}
+    assert [(w["id"], w["loss"], w["round"]) for w in snap["workers"]] == \
+        [(0, 0.5, 2), (1, 0.25, 2), (2, 0.5, 2), (3, 0.25, 2)]
+    assert snap["evaluations"] == [{"round": 2, "iteration": 16, "target": "leader",
+                                    "metric": "accuracy", "value": 0.75, "worker": 2}]
+
+    hist = job.json("/history.json?since=0")
+    assert [(r["id"], r["kind"], r["leader"]) for r in hist["rounds"]] == \
+        [(1, "local", None), (2, "global", 2)]
+    assert hist["rounds"][1]["latency_s"] >= 0 and hist["rounds"][0]["latency_s"] is None
+    assert sorted(p["worker"] for p in hist["points"]) == [0, 1, 2, 3]
+    assert all(p["iteration"] == 16 for p in hist["points"])
+    assert hist["next"] == snap["history"]["next"] == 2 + 4 + 1 + 1
+    assert job.json(f"/history.json?since={hist['next']}")["rounds"] == []
+    assert job.get("/history.json?since=-1")[0] == 400
+
+    m = job.metrics()
+    assert m[("lsgd_iterations", ())] == 16
+    assert m[("lsgd_iteration_budget", ())] == 4000
+    assert m[("lsgd_rounds_total", (("kind", "local"),))] == 1
+    assert m[("lsgd_rounds_total", (("kind", "global"),))] == 1
+    assert m[("lsgd_nodes_alive", ())] == 2 and m[("lsgd_nodes_expected", ())] == 2
+    assert m[("lsgd_round_latency_seconds_count", ())] == 1
+    assert m[("lsgd_round_latency_seconds_bucket", (("le", "+Inf"),))] == 1
+    assert m[("lsgd_param_bytes_total", (("direction", "in"),))] == 40
+    assert m[("lsgd_param_bytes_total", (("direction", "out"),))] == 40
+    assert m[("lsgd_job_stopped", ())] == 0
+    assert m[("lsgd_iterations_per_second", ())] >= 0
+
+
+def test_a_hostile_report_is_invalid_argument_and_changes_nothing(job):
+    a = job.node(0)
+    job.beat(a, node_report(0))
+    board, node = job.servicer.board, job.servicer.coord.nodes[0]
+    before = (dict(board.reports), list(board.points), board._seq, node.last_seen)
+    hostile = [node_report(0), node_report(0), node_report(0)]
+    hostile[0].workers[1].worker_id = 7  # a worker of another node
+    hostile[1].workers.extend([pb.WorkerStat(worker_id=1)] * 1000)  # far too many
+    hostile[2].evaluations.extend([pb.Evaluation(target="leader", metric="x" * 10_000)])
+    for bad in hostile:
+        with pytest.raises(grpc.RpcError) as e:
+            job.beat(a, bad)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (dict(board.reports), list(board.points), board._seq, node.last_seen) == before
+    m = job.metrics()
+    assert m[("lsgd_rpc_errors_total", (("code", "INVALID_ARGUMENT"), ("method", "Heartbeat")))] == 3
+
+
+def test_endpoints_ask_for_the_token_when_the_job_has_a_secret(secret_job):
+    job = secret_job
+    for path in ("/status.json", "/history.json", "/metrics", "/"):
+        code, ctype, body = job.get(path, token=None)
+        assert code == 401 and ctype == "application/json", path
+        assert "token" in json.loads(body)["error"]
+        assert job.get(path, token="0" * 32)[0] == 401
+    assert job.get("/status.json")[0] == 200  # Authorization: Bearer <token>
+    with urllib.request.urlopen(f"{job.url}/metrics?token={job.token}", timeout=5) as resp:
+        assert resp.status == 200
+    code, ctype, _ = job.get("/")
+    assert (code, ctype.split(";")[0]) in ((200, "text/html"), (404, "text/plain"))
+    assert job.page.host == "127.0.0.1"  # the job's address is loopback
+
+
+def test_the_page_binds_loopback_unless_a_secret_guards_it(tmp_path):
+    secret_file = tmp_path / "secret"
+    secret_file.write_text(SECRET)
+    remote = JobConfig(ip_addr="10.1.2.3", secret_file=str(secret_file))
+    insecure = JobConfig(ip_addr="10.1.2.3", allow_insecure=True)
+    assert status_host(remote, SECRET) == "0.0.0.0"  # where the gRPC port listens
+    assert status_host(insecure, None) == "127.0.0.1"  # no secret: never beyond loopback
+    assert status_host(JobConfig(), SECRET) == "127.0.0.1"
+
+
+def test_without_a_secret_the_page_is_not_reachable_beyond_loopback(job):
+    assert job.page.host == "127.0.0.1" and job.get("/status.json")[0] == 200
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("192.0.2.1", 9))  # no packet is sent: finds this host's outward address
+        own = probe.getsockname()[0]
+    except OSError:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    finally:
+        probe.close()
+    if own.startswith("127."):
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    with pytest.raises(OSError):
+        socket.create_connection((own, job.page.port), timeout=2).close()
+
+
+def test_health_and_reflection_work_unsigned_while_the_job_refuses_unsigned_calls(secret_job):
+    job = secret_job
+    a = job.node(0)
+    channel = grpc.insecure_channel(job.addr)  # a probe: no secret, no signature
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "lsgd.v1.GlobalServer"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.SERVING
+        with pytest.raises(grpc.RpcError) as e:
+            pb_grpc.GlobalServerStub(channel).Heartbeat(
+                pb.HeartbeatRequest(node=pb.NodeId(job_id=JOB, node_index=0, session=a.session)),
+                timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = list(refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5))
+        names = {s.name for s in answers[0].list_services_response.service}
+        assert {"lsgd.v1.GlobalServer", "grpc.health.v1.Health"} <= names
+        a.leave(consumed=0, late=0, stop_job="interrupted")  # node 0 stops the job
+        job.servicer.tick()  # the server loop's pass tells the health service
+        for service in ("", "lsgd.v1.GlobalServer"):
+            resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert resp.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        channel.close()
+    m = job.metrics()
+    assert m[("lsgd_job_stopped", ())] == 1
+    assert m[("lsgd_rpc_errors_total", (("code", "UNAUTHENTICATED"), ("method", "Heartbeat")))] == 1
+    assert job.json("/status.json")["job"]["state"] == "stopped"
+
+
+def _raw(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        try:
+            s.sendall(request)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+        except ConnectionResetError:
+            pass
+        return data
+
+
+def test_requests_are_bounded(job):
+    port = job.page.port
+    assert _raw(port, b"POST /status.json HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 501")
+    assert job.get("/nowhere")[0] == 404 and job.get("/favicon.ico")[0] == 404
+    big = b"GET /status.json HTTP/1.0\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n"
+    answer = _raw(port, big)
+    assert not answer.startswith(b"HTTP/1.0 200")  # 431, or the connection is cut
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_REQUESTS)]
+    try:
+        answer = _raw(port, b"GET /status.json HTTP/1.0\r\n\r\n")
+        assert answer.startswith(b"HTTP/1.0 503"), answer[:100]
+    finally:
+        for s in idle:
+            s.close()
+    end = time.monotonic() + 5
+    while job.get("/status.json")[0] != 200:  # the slots come back as the idle ones close
+        assert time.monotonic() < end
+        time.sleep(0.05)
+    assert job.page._server.busy == 1
+
+
+def test_a_restarted_server_serves_again_on_the_same_status_port(tmp_path):
+    config = JobConfig(num_groups=1, workers=1, job_id=JOB, port=0, run_dir=str(tmp_path),
+                       iterations=100, join_timeout=60.0)
+    ports = []
+    for restore in (False, True):
+        ready, stop = _Ready(), threading.Event()
+        t = threading.Thread(target=serve, args=(config,),
+                             kwargs=dict(ready=ready, stop_event=stop, restore=restore))
+        t.start()
+        try:
+            assert ready.event.wait(10) and ready.value[0] == "ready", ready.value
+            port = int((tmp_path / "global" / "status.port").read_text())
+            end = time.monotonic() + 5
+            while not (tmp_path / "global" / "state.json").exists():
+                assert time.monotonic() < end
+                time.sleep(0.02)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/status.json", timeout=5) as r:
+                ports.append((port, json.loads(r.read())["job"]["restarts"]))
+        finally:
+            stop.set()
+            t.join(15)
+        assert not t.is_alive()
+    assert ports[1] == (ports[0][0], 1) and ports[0][1] == 0
+
+
+class _Ready:
+    """Stands for the pipe on which serve() says it listens."""
+
+    def __init__(self) -> None:
+        self.event, self.value = threading.Event(), None
+
+    def send(self, value: object) -> None:
+        self.value = value
+        self.event.set()
+
+
+def test_a_port_in_use_is_one_warning_and_the_job_goes_on(tmp_path, caplog):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        config = JobConfig(job_id=JOB, run_dir=str(tmp_path), status_port=taken.getsockname()[1])
+        servicer = build_servicer(config)
+        with caplog.at_level("WARNING", logger="lsgd.status.http"):
+            assert start_status_page(config, servicer, None, tmp_path) is None
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "in use; set STATUS_PORT" in lines[0]
+        assert not (tmp_path / "status.port").exists()
+    finally:
+        taken.close()
