@@ -29,11 +29,19 @@ Scenarios, each on a fresh server:
               its leader at home: no upload).
   64x8-paced  full mode only: 20 ms steps (320 ms of work per round), a server with headroom.
 
-Standalone: ``PYTHONPATH=. python -m bench.scale [--quick]``.
+The status page's cost (``--status``, issue 10): the paced 64 x 8 run twice on fresh servers,
+once as before the status page existed (heartbeats without reports, STATUS_PORT=0), once with
+every heartbeat carrying a node's report of its 8 workers (as the local server sends it) and a
+"browser" polling /status.json, /history.json?since= and /metrics every second. Reported: the
+global server's CPU in both and the difference (target: < 5% of a core); full mode adds a run
+with reports but nobody polling.
+
+Standalone: ``PYTHONPATH=. python -m bench.scale [--quick] [--status]``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -72,6 +80,9 @@ class Scenario:
     node_timeout: float = 10.0
     join_timeout: float = 60.0
     limit_s: float = 90.0  # hard bound on the whole scenario
+    reports: bool = False  # heartbeats carry a NodeReport of the node's workers
+    status: bool = False  # the global server serves its status page (STATUS_PORT)
+    poll_s: float = 0.0  # a browser polls the status page this often (0: nobody)
 
     @property
     def round_period(self) -> int:
@@ -85,13 +96,74 @@ class Scenario:
 
 
 # ---------------------------------------------------------------------------------- node side
+class _Beat(threading.Thread):
+    """A node's heartbeat thread, as the local server's: every ``interval`` s, on the node's
+    channel, with (``sc.reports``) a ``NodeReport`` of its workers built from ``live`` (steps,
+    newest round) as the local server's view would: losses, distances to the leader, a local
+    leader, and on node 0 one evaluation per global round (sent until the server holds it)."""
+
+    def __init__(self, client: Any, sc: "Scenario", live: dict[str, Any]) -> None:
+        super().__init__(daemon=True, name=f"beat{client.node_index}")
+        from lsgd.proto import lsgd_pb2_grpc
+
+        self.client, self.sc, self.live = client, sc, live
+        self.stub = lsgd_pb2_grpc.GlobalServerStub(client._channel)  # the node's own channel
+        self.interval = min(1.0, sc.node_timeout / 5)
+        self.fatal: str | None = None
+        self.halt = threading.Event()
+        self.held = 0  # evaluations the server holds
+        self.rng = random.Random(client.node_index)
+
+    def report(self) -> Any:
+        from lsgd.proto import lsgd_pb2 as pb
+
+        i, w, rnd = self.client.node_index, self.sc.workers, self.live["round"]
+        r = pb.NodeReport(steps=self.live["steps"], rate=self.live["steps"] / max(
+            1e-3, time.monotonic() - self.live["t0"]), workers_training=w, has_local_leader=True)
+        losses = [2.0 / (1 + 0.01 * rnd) + 0.1 * self.rng.random() for _ in range(w)]
+        best = min(range(w), key=losses.__getitem__)
+        for k in range(w):
+            r.workers.append(pb.WorkerStat(
+                worker_id=i * w + k, iterations=self.live["steps"] // w, loss=losses[k],
+                distance=0.0 if k == best else self.rng.random(),
+                distance_to="local_leader" if self.live["kind"] == "local" else "global_leader",
+                training=True, round_id=rnd))
+        r.local_leader.worker_id, r.local_leader.loss = i * w + best, losses[best]
+        if i == 0:
+            evals = self.live["evaluations"]
+            r.evaluations_from = self.held
+            for rid, it in evals[self.held:self.held + 64]:
+                r.evaluations.append(pb.Evaluation(round_id=rid, iteration=it, target="leader",
+                                                   metric="accuracy", value=min(1.0, rid / 100),
+                                                   worker_id=best))
+        return r
+
+    def run(self) -> None:
+        from lsgd.proto import lsgd_pb2 as pb
+
+        while not self.halt.wait(self.interval):
+            c = self.client
+            req = pb.HeartbeatRequest(node=pb.NodeId(job_id=JOB_ID, node_index=c.node_index,
+                                                     session=c.session))
+            if self.sc.reports:
+                req.report.CopyFrom(self.report())
+            try:
+                self.held = self.stub.Heartbeat(req, timeout=5.0).evaluations_held
+            except Exception as exc:  # noqa: BLE001 - a failed heartbeat is a reported error
+                self.fatal = f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}"
+
+    def stop(self) -> None:
+        self.halt.set()
+        self.join(6.0)
+
+
 def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: threading.Event) -> None:
     """One simulated node; fills ``out`` with its round records and errors."""
     import grpc
     import numpy as np
 
     from lsgd.leader import Candidate
-    from lsgd.local_server.global_client import GlobalClient, Heartbeat
+    from lsgd.local_server.global_client import GlobalClient
     from lsgd.rules.base import RoundKind
 
     rng = random.Random(index)
@@ -104,14 +176,15 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
     buf = np.empty(sc.param_count, dtype=np.float32)
     held = 0
     last_round_seen = 0
+    live: dict[str, Any] = {"steps": 0, "round": 0, "kind": "", "evaluations": [],
+                            "t0": time.monotonic()}
     try:
         if sc.late_join_s and index == sc.nodes - 1:
             stop.wait(sc.late_join_s)
         client.join(workers=sc.workers, param_count=sc.param_count, algorithm="lsgd",
                     num_groups=sc.nodes, connect_timeout=20.0)
         out["joined"] = time.monotonic()
-        hb = Heartbeat(client, interval=min(1.0, sc.node_timeout / 5),
-                       give_up=max(2 * sc.node_timeout, 10.0))
+        hb = _Beat(client, sc, live)
         hb.start()
         while not stop.is_set():
             ans = client.acquire(consumed=held, late=0, released=0, want=WANT,
@@ -122,6 +195,9 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
                 t_learn = time.monotonic()
                 rid, kind = ans.round_id, RoundKind(ans.round_kind)
                 last_round_seen = rid
+                live["round"], live["kind"] = rid, kind.name.lower()
+                if kind == RoundKind.GLOBAL and index == 0:
+                    live["evaluations"].append((rid, ans.round_iteration))
                 best = Candidate(index * sc.workers + rng.randrange(sc.workers), rng.random())
                 r = client.report_round(rid, best, sc.workers)
                 t_report = time.monotonic()
@@ -156,8 +232,10 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
                 if out["first_grant"] is None:
                     out["first_grant"] = time.monotonic()
                 held = ans.grant
+                live["steps"] += held
                 if sc.step_ms:  # the node's workers take their share of steps in parallel
                     time.sleep(math.ceil(held / sc.workers) * sc.step_ms / 1000.0)
+        hb.stop()  # a heartbeat after leaving would be refused
         client.leave(consumed=held, late=0)
         out["left"] = True
     except grpc.RpcError as exc:
@@ -285,6 +363,55 @@ class _Sampler(threading.Thread):
         return None if a is None or b is None or t1 <= t0 else 100.0 * (b - a) / (t1 - t0)
 
 
+class _Poller(threading.Thread):
+    """A browser on the status page: every ``every`` s, /status.json, /history.json from the
+    last answer's ``next`` (as the dashboard pages through it) and /metrics."""
+
+    def __init__(self, port_file: Path, every: float) -> None:
+        super().__init__(daemon=True)
+        self.port_file, self.every = port_file, every
+        self.halt = threading.Event()
+        self.times: dict[str, list[float]] = {"status": [], "history": [], "metrics": []}
+        self.bytes = 0
+        self.errors: list[str] = []
+
+    def run(self) -> None:
+        import urllib.request
+
+        end = time.monotonic() + 30
+        while not self.port_file.exists() and time.monotonic() < end and not self.halt.is_set():
+            time.sleep(0.05)
+        try:
+            base = f"http://127.0.0.1:{int(self.port_file.read_text())}"
+        except (OSError, ValueError) as exc:
+            self.errors.append(f"status page: no port ({exc})")
+            return
+        since = 0
+        while not self.halt.wait(self.every):
+            for name, path in (("status", "/status.json"), ("history", f"/history.json?since={since}"),
+                               ("metrics", "/metrics")):
+                t = time.monotonic()
+                try:
+                    with urllib.request.urlopen(base + path, timeout=5) as resp:
+                        body = resp.read()
+                except OSError as exc:
+                    if len(self.errors) < 5:
+                        self.errors.append(f"status page {path}: {exc}")
+                    continue
+                self.times[name].append(time.monotonic() - t)
+                self.bytes += len(body)
+                if name == "history":
+                    since = json.loads(body)["next"]
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"bytes": self.bytes, "errors": len(self.errors)}
+        for name, xs in self.times.items():
+            ms = [x * 1000 for x in xs]
+            out[name] = {"n": len(ms), "p50_ms": round(_pct(ms, 50), 2),
+                         "max_ms": round(max(ms), 2) if ms else None}
+        return out
+
+
 def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
     """Run one simulated cluster against a fresh global server; returns its measurements."""
     run_dir = workdir / sc.name
@@ -294,11 +421,12 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
     config = dict(num_groups=sc.nodes, workers=sc.workers, algorithm="lsgd", l_comm=sc.l_comm,
                   g_comm=sc.g_comm, iterations=sc.iterations, port=0, run_dir=str(run_dir),
                   job_id=JOB_ID, round_timeout=sc.round_timeout, node_timeout=sc.node_timeout,
-                  join_timeout=sc.join_timeout)
+                  join_timeout=sc.join_timeout, status_port=None if sc.status else 0)
     JobConfig(**config)  # validate here, with a clear error
     server: subprocess.Popen | None = None
     clients: list[subprocess.Popen] = []
     sampler: _Sampler | None = None
+    poller: _Poller | None = None
     t_begin = time.monotonic()
     hard_end = t_begin + sc.limit_s + 15
     try:
@@ -328,6 +456,9 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
         pids = {"server": server.pid} | {f"client{k}": c.pid for k, c in enumerate(clients)}
         sampler = _Sampler(pids)
         sampler.start()
+        if sc.poll_s:
+            poller = _Poller(run_dir / "global" / "status.port", sc.poll_s)
+            poller.start()
         client_errors: list[str] = []
         for k, c in enumerate(clients):
             if _wait(c, hard_end - time.monotonic()) is None:
@@ -342,6 +473,10 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
             server_rc = _wait(server, 5.0)
         sampler.halt.set()
         sampler.join()
+        if poller is not None:
+            poller.halt.set()
+            poller.join(10)
+            client_errors += poller.errors[:5]
         summary_path = run_dir / "global" / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         nodes: list[dict[str, Any]] = []
@@ -352,11 +487,16 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
                 client_errors.append(f"client process {k} wrote no results "
                                      f"(rc {clients[k].returncode}): "
                                      f"{(run_dir / f'client{k}.log').read_text()[-500:]}")
-        return _measure(sc, nodes, summary, server_rc, sampler, client_errors,
-                        (run_dir / "global.log").read_text(), len(clients))
+        result = _measure(sc, nodes, summary, server_rc, sampler, client_errors,
+                          (run_dir / "global.log").read_text(), len(clients))
+        if poller is not None:
+            result["polls"] = poller.summary()
+        return result
     finally:
         if sampler is not None:
             sampler.halt.set()
+        if poller is not None:
+            poller.halt.set()
         for c in clients:
             _kill(c)
         _kill(server)
@@ -495,11 +635,45 @@ def run(quick: bool) -> list[Result]:
     return out
 
 
+def run_status(quick: bool) -> list[Result]:
+    """The status page's cost on the global server: the paced 64 x 8 run without it (as before
+    issue 10), and with reports in every heartbeat and a browser polling every second."""
+    rounds = 16 if quick else 64
+    plain = Scenario("64x8-paced-plain", nodes=64, workers=8, l_comm=16, g_comm=64,
+                     rounds=rounds, step_ms=20.0)
+    watched = dataclasses.replace(plain, name="64x8-paced-watched", reports=True, status=True,
+                                  poll_s=1.0)
+    unpolled = dataclasses.replace(plain, name="64x8-paced-reports", reports=True, status=True)
+    with tempfile.TemporaryDirectory(prefix="lsgd-bench-status-") as tmp:
+        runs = {sc.name: run_scenario(sc, CLIENT_PROCS, Path(tmp))
+                for sc in ([plain, watched] + ([] if quick else [unpolled]))}
+    a, b = runs[plain.name], runs[watched.name]
+    cpu_a, cpu_b = a["server_cpu_pct"], b["server_cpu_pct"]
+    delta = None if cpu_a is None or cpu_b is None else round(cpu_b - cpu_a, 1)
+    ok = bool(a["ok"]) and bool(b["ok"]) and not b.get("polls", {}).get("errors")
+    extra = {name: {k: v for k, v in r.items() if k in (
+        "ok", "errors", "server_cpu_pct", "client_cpu_pct", "window_s", "rounds_per_s",
+        "p99_ms", "polls", "server_warnings")} for name, r in runs.items()}
+    return [Result(TARGET, "global server CPU, 64 nodes x 8 workers (20 ms steps), heartbeats "
+                   "with reports and the status page polled every second",
+                   float("nan") if cpu_b is None else cpu_b, "% of one core", cpu_a,
+                   "same run without reports or status page (STATUS_PORT=0)",
+                   delta, "value - baseline, % of one core",
+                   "< 5% of a core more", ok and delta is not None and delta < 5.0,
+                   extra=extra)]
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "--client":
         return client_main(argv[1])
     quick = "--quick" in argv
     t = time.monotonic()
+    if "--status" in argv:
+        results = run_status(quick)
+        for r in results:
+            print(json.dumps(r.to_dict(), default=str))
+        print(f"total {time.monotonic() - t:.1f} s")
+        return 0 if results[0].met else 1
     results = run(quick)
     for r in results:
         d = r.to_dict()
