@@ -370,3 +370,32 @@ def test_a_port_in_use_is_one_warning_and_the_job_goes_on(tmp_path, caplog):
         assert not (tmp_path / "status.port").exists()
     finally:
         taken.close()
+
+
+def test_https_with_node_0s_certificate_and_a_silent_client_blocks_nobody(tmp_path):
+    import ssl
+
+    from lsgd.security import make_certs
+
+    make_certs(tmp_path / "certs", ["127.0.0.1"])
+    certs = tmp_path / "certs"
+    config = JobConfig(job_id=JOB, run_dir=str(tmp_path), port=0, tls_ca=str(certs / "ca.pem"),
+                       tls_cert=str(certs / "node0.pem"), tls_key=str(certs / "node0-key.pem"),
+                       secret_file=str(certs / "secret"))
+    secret = (certs / "secret").read_text().strip()
+    page = start_status_page(config, build_servicer(config), secret, tmp_path)
+    assert page is not None and page.scheme == "https"
+    silent = socket.create_connection(("127.0.0.1", page.port), timeout=5)  # never handshakes
+    try:
+        context = ssl.create_default_context(cafile=str(certs / "ca.pem"))
+        req = urllib.request.Request(f"https://127.0.0.1:{page.port}/status.json",
+                                     headers={"Authorization": f"Bearer {status_token(secret.encode())}"})
+        t = time.monotonic()
+        with urllib.request.urlopen(req, context=context, timeout=5) as resp:
+            assert resp.status == 200 and json.loads(resp.read())["job"]["id"] == JOB
+        assert time.monotonic() - t < 2.0
+        with pytest.raises(OSError):  # plain HTTP is not served (the handshake fails)
+            urllib.request.urlopen(f"http://127.0.0.1:{page.port}/status.json", timeout=5)
+    finally:
+        silent.close()
+        page.stop()
