@@ -29,19 +29,15 @@ Scenarios, each on a fresh server:
               its leader at home: no upload).
   64x8-paced  full mode only: 20 ms steps (320 ms of work per round), a server with headroom.
 
-The status page's cost (``--status``, issue 10): the paced 64 x 8 run twice on fresh servers,
-once as before the status page existed (heartbeats without reports, STATUS_PORT=0), once with
-every heartbeat carrying a node's report of its 8 workers (as the local server sends it) and a
-"browser" polling /status.json, /history.json?since= and /metrics every second. Reported: the
-global server's CPU in both and the difference (target: < 5% of a core); full mode adds a run
-with reports but nobody polling.
+The status page's cost (``--status``, issue 10; ``bench/status_page.py``): the paced 64 x 8 run
+without reports and status page, and with a report in every heartbeat (``_Beat``) and a browser
+polling the page every second; the global server's CPU in both.
 
 Standalone: ``PYTHONPATH=. python -m bench.scale [--quick] [--status]``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -150,7 +146,8 @@ class _Beat(threading.Thread):
             try:
                 self.held = self.stub.Heartbeat(req, timeout=5.0).evaluations_held
             except Exception as exc:  # noqa: BLE001 - a failed heartbeat is a reported error
-                self.fatal = f"{type(exc).__name__}: {getattr(exc, 'details', lambda: exc)()}"
+                why = exc.details() if hasattr(exc, "details") else str(exc)
+                self.fatal = f"{type(exc).__name__}: {why}"
 
     def stop(self) -> None:
         self.halt.set()
@@ -363,55 +360,6 @@ class _Sampler(threading.Thread):
         return None if a is None or b is None or t1 <= t0 else 100.0 * (b - a) / (t1 - t0)
 
 
-class _Poller(threading.Thread):
-    """A browser on the status page: every ``every`` s, /status.json, /history.json from the
-    last answer's ``next`` (as the dashboard pages through it) and /metrics."""
-
-    def __init__(self, port_file: Path, every: float) -> None:
-        super().__init__(daemon=True)
-        self.port_file, self.every = port_file, every
-        self.halt = threading.Event()
-        self.times: dict[str, list[float]] = {"status": [], "history": [], "metrics": []}
-        self.bytes = 0
-        self.errors: list[str] = []
-
-    def run(self) -> None:
-        import urllib.request
-
-        end = time.monotonic() + 30
-        while not self.port_file.exists() and time.monotonic() < end and not self.halt.is_set():
-            time.sleep(0.05)
-        try:
-            base = f"http://127.0.0.1:{int(self.port_file.read_text())}"
-        except (OSError, ValueError) as exc:
-            self.errors.append(f"status page: no port ({exc})")
-            return
-        since = 0
-        while not self.halt.wait(self.every):
-            for name, path in (("status", "/status.json"), ("history", f"/history.json?since={since}"),
-                               ("metrics", "/metrics")):
-                t = time.monotonic()
-                try:
-                    with urllib.request.urlopen(base + path, timeout=5) as resp:
-                        body = resp.read()
-                except OSError as exc:
-                    if len(self.errors) < 5:
-                        self.errors.append(f"status page {path}: {exc}")
-                    continue
-                self.times[name].append(time.monotonic() - t)
-                self.bytes += len(body)
-                if name == "history":
-                    since = json.loads(body)["next"]
-
-    def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"bytes": self.bytes, "errors": len(self.errors)}
-        for name, xs in self.times.items():
-            ms = [x * 1000 for x in xs]
-            out[name] = {"n": len(ms), "p50_ms": round(_pct(ms, 50), 2),
-                         "max_ms": round(max(ms), 2) if ms else None}
-        return out
-
-
 def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
     """Run one simulated cluster against a fresh global server; returns its measurements."""
     run_dir = workdir / sc.name
@@ -426,7 +374,7 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
     server: subprocess.Popen | None = None
     clients: list[subprocess.Popen] = []
     sampler: _Sampler | None = None
-    poller: _Poller | None = None
+    poller: Any = None  # bench.status_page.Poller
     t_begin = time.monotonic()
     hard_end = t_begin + sc.limit_s + 15
     try:
@@ -457,7 +405,9 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
         sampler = _Sampler(pids)
         sampler.start()
         if sc.poll_s:
-            poller = _Poller(run_dir / "global" / "status.port", sc.poll_s)
+            from bench.status_page import Poller
+
+            poller = Poller(run_dir / "global" / "status.port", sc.poll_s)
             poller.start()
         client_errors: list[str] = []
         for k, c in enumerate(clients):
@@ -635,40 +585,14 @@ def run(quick: bool) -> list[Result]:
     return out
 
 
-def run_status(quick: bool) -> list[Result]:
-    """The status page's cost on the global server: the paced 64 x 8 run without it (as before
-    issue 10), and with reports in every heartbeat and a browser polling every second."""
-    rounds = 16 if quick else 64
-    plain = Scenario("64x8-paced-plain", nodes=64, workers=8, l_comm=16, g_comm=64,
-                     rounds=rounds, step_ms=20.0)
-    watched = dataclasses.replace(plain, name="64x8-paced-watched", reports=True, status=True,
-                                  poll_s=1.0)
-    unpolled = dataclasses.replace(plain, name="64x8-paced-reports", reports=True, status=True)
-    with tempfile.TemporaryDirectory(prefix="lsgd-bench-status-") as tmp:
-        runs = {sc.name: run_scenario(sc, CLIENT_PROCS, Path(tmp))
-                for sc in ([plain, watched] + ([] if quick else [unpolled]))}
-    a, b = runs[plain.name], runs[watched.name]
-    cpu_a, cpu_b = a["server_cpu_pct"], b["server_cpu_pct"]
-    delta = None if cpu_a is None or cpu_b is None else round(cpu_b - cpu_a, 1)
-    ok = bool(a["ok"]) and bool(b["ok"]) and not b.get("polls", {}).get("errors")
-    extra = {name: {k: v for k, v in r.items() if k in (
-        "ok", "errors", "server_cpu_pct", "client_cpu_pct", "window_s", "rounds_per_s",
-        "p99_ms", "polls", "server_warnings")} for name, r in runs.items()}
-    return [Result(TARGET, "global server CPU, 64 nodes x 8 workers (20 ms steps), heartbeats "
-                   "with reports and the status page polled every second",
-                   float("nan") if cpu_b is None else cpu_b, "% of one core", cpu_a,
-                   "same run without reports or status page (STATUS_PORT=0)",
-                   delta, "value - baseline, % of one core",
-                   "< 5% of a core more", ok and delta is not None and delta < 5.0,
-                   extra=extra)]
-
-
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "--client":
         return client_main(argv[1])
     quick = "--quick" in argv
     t = time.monotonic()
     if "--status" in argv:
+        from bench.status_page import run_status
+
         results = run_status(quick)
         for r in results:
             print(json.dumps(r.to_dict(), default=str))

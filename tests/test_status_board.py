@@ -295,8 +295,8 @@ def test_snapshot_follows_a_job_through_its_rounds():
     assert n1["local_leader"] == {"worker": 2, "loss": 0.2}
     assert [w["id"] for w in snap["workers"]] == [2, 3]
     assert snap["workers"][0] == {"id": 2, "node": 1, "iterations": 0, "loss": 0.2,
-                                       "distance": 0.0, "distance_to": "global_leader",
-                                       "round": 2, "resets": 0, "respawns": 0, "training": True}
+                                  "distance": 0.0, "distance_to": "global_leader", "round": 2,
+                                  "resets": 0, "respawns": 0, "training": True}
     assert snap["history"]["next"] == board._seq + 1
     # node 0 stops the job: stopped, with its reason, and no ETA
     do(lambda: c.stop_job(0, s[0], "interrupted", 0, 0, now[0]))

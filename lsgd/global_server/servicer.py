@@ -79,6 +79,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.health: Callable[[bool], None] | None = None  # set_serving(False) when the job is over
         self._over = False  # the job finished or was stopped (the board's state says so)
         self._told_health = False
+        self._board_failed = False
         # Called (lock held) with the state and whether membership changed, whenever a round
         # opens, the stop target moves or a node joins, before any node can learn of it
         # (journal.py writes it), so a restarted server never issues a round id twice.
@@ -127,8 +128,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         before = self._state()
         result = fn()
         self._after_change()
-        self.board.observe(self.coord, self.clock())
-        self._over = self.coord.finished or self.coord.stopped is not None
+        self._observe()
         if self._state() != before:
             self.cond.notify_all()
         if self.journal is not None:
@@ -144,6 +144,18 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                     self.journal(c.rounds_state() | {"dump": self.dumps}, False)
                 self._journaled = key
         return result
+
+    def _observe(self) -> None:
+        """Show the change on the status board (lock held). A fault of the board is logged
+        once and never fails the call: the status page must not cost the job."""
+        try:
+            self.board.observe(self.coord, self.clock())
+        except Exception:  # noqa: BLE001 - see the docstring
+            if not self._board_failed:
+                self._board_failed = True
+                log.exception("status board: recording a change failed (logged once; the job "
+                              "goes on)")
+        self._over = self.coord.finished or self.coord.stopped is not None
 
     def _state(self) -> tuple:
         """What a long-poll can be waiting for: a pass that leaves it unchanged wakes nobody."""
