@@ -318,6 +318,10 @@ def test_requests_are_bounded(job):
         assert time.monotonic() < end
         time.sleep(0.05)
     assert job.page._server.busy == 1
+    # without a secret, a page that a browser reached through some other name is refused
+    assert job.get("/status.json", headers={"Host": "rebind.example:80"})[0] == 403
+    assert job.get("/status.json", headers={"Host": f"localhost:{port}"})[0] == 200
+    assert job.get("/status.json", headers={"Host": f"[::1]:{port}"})[0] == 200
 
 
 def test_a_restarted_server_serves_again_on_the_same_status_port(tmp_path):

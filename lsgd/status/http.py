@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import ipaddress
 import json
 import logging
 import ssl
@@ -133,6 +134,9 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(400, _error("bad query string"), body=body)
         if url.path == "/favicon.ico":
             return self._send(404, b"", body=body)
+        if not app.host_allowed(self.headers.get("Host")):
+            return self._send(403, _error("without a job secret the status page answers only "
+                                          "to http://127.0.0.1 or http://localhost"), body=body)
         if not app.authorized(self.headers.get("Authorization"), query.get("token")):
             return self._send(401, _error("this job's status page needs its token: "
                                           "`python -m lsgd status --url` prints the URL with it"),
@@ -231,6 +235,21 @@ class StatusPage:
             given = tokens[0]
         return given is not None and hmac.compare_digest(given.encode("utf-8", "replace"),
                                                          self.token)
+
+    def host_allowed(self, host: str | None) -> bool:
+        """Without a token, only a request addressed to an IP address or ``localhost``: a web
+        page in the user's browser cannot read the page through a name it controls (DNS
+        rebinding). With a token, any (the token is the key)."""
+        if self.token is not None or not host:
+            return True
+        name = host[1:].partition("]")[0] if host.startswith("[") else host.rpartition(":")[0] or host
+        if name.lower() == "localhost":
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
 
     def failed(self) -> None:
         self._failures += 1
