@@ -8,6 +8,8 @@ import math
 from types import SimpleNamespace
 
 import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
 
 from lsgd.global_server.coordinator import Coordinator, CoordinatorError, Schedule
 from lsgd.global_server.records import RoundState
@@ -311,3 +313,47 @@ def test_a_restored_coordinators_rounds_are_counted_by_kind():
     board = StatusBoard(2, 2)
     board.observe(c, 0.0)
     assert board.kinds == {"local": 4, "global": 3, "final": 0}
+
+
+# ---------------------------------------------------------------------------- fuzzed
+FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=64)
+SMALL = st.integers(0, 10**6)
+U64 = st.one_of(SMALL, SMALL, SMALL, SMALL, st.integers(0, 2**64 - 1))  # mostly fine
+TO = st.sampled_from(["", "local_leader", "global_leader", "center", "moon"])
+METRIC = st.one_of(st.sampled_from(["accuracy", "loss"]), st.text(max_size=80))
+WORKERS = st.lists(st.builds(pb.WorkerStat, worker_id=st.integers(0, 2), iterations=U64,
+                             loss=FLOATS, distance=FLOATS, distance_to=TO,
+                             resets=st.integers(0, 2**32 - 1), training=st.booleans(),
+                             round_id=st.one_of(st.integers(0, 5), st.integers(0, 5), U64)),
+                   max_size=3, unique_by=lambda w: w.worker_id)
+EVALS = st.lists(st.builds(pb.Evaluation, round_id=st.integers(0, 6), iteration=st.integers(0, 99),
+                           target=st.sampled_from(["leader", "average", "center", "best"]),
+                           metric=METRIC, value=FLOATS, worker_id=st.integers(0, 6)),
+                 max_size=2)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(index=st.integers(0, 2), steps=U64, rate=FLOATS, training=st.integers(0, 3),
+       workers=WORKERS, evals=EVALS, start=U64, leader=st.integers(0, 2))
+def test_any_report_is_stored_whole_or_refused_whole(index, steps, rate, training, workers,
+                                                      evals, start, leader):
+    board = StatusBoard(3, 2)
+    board.ingest(0, report(worker(0, rnd=1)), now=0.0, session=1, rounds=5)
+    r = pb.NodeReport(steps=steps, rate=rate, workers_training=training, evaluations_from=start,
+                      has_local_leader=True, local_leader=pb.Candidate(worker_id=2 * index + leader))
+    for w in workers:  # ids 0, 1 on the node are its own; 2 is the next node's
+        w.worker_id += 2 * index
+    r.workers.extend(workers)
+    r.evaluations.extend(evals if index == 0 or len(evals) == 2 else [])
+    before = state(board)
+    try:
+        board.ingest(index, r, now=1.0, session=1, rounds=5)
+    except CoordinatorError as exc:
+        assert exc.code == "INVALID_ARGUMENT" and str(exc).startswith("heartbeat report: ")
+        assert state(board) == before
+        event("refused")
+        return
+    event("stored")
+    assert board.reports[index].steps == steps
+    json.dumps(board.snapshot(fake_coord(num_groups=3), now=2.0), allow_nan=False)
+    json.dumps(board.history(0), allow_nan=False)
