@@ -77,7 +77,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                                  coordinator.started_at)
         self.stats = RpcStats()
         self.health: Callable[[bool], None] | None = None  # set_serving(False) when the job is over
-        self._over = False  # the job finished or was stopped (the board's state says so)
+        self._over = False  # the job finished or was stopped (updated on every change)
         self._told_health = False
         self._board_failed = False
         # Called (lock held) with the state and whether membership changed, whenever a round
