@@ -37,6 +37,7 @@ log = logging.getLogger("lsgd.progress")
 LIVE_EVERY = 0.25  # seconds between redraws of the live line
 DEFAULT_COLUMNS = 120  # when the terminal does not say its width
 BAR_WIDTH = 10
+LOCK_WAIT = 1.0  # seconds a drawing or a log record waits for another one to finish
 
 
 # ---------------------------------------------------------------------- the text (pure)
@@ -139,6 +140,9 @@ class Progress:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._bar: Any = None
+        # Held while the live line is drawn, or cleared around a log record; every wait for it
+        # is bounded (a terminal that blocks writes must not hang the node here).
+        self._lock = threading.RLock()
         self._handlers: list[tuple[logging.StreamHandler, IO[str]]] = []
 
     def start(self) -> None:
@@ -155,16 +159,21 @@ class Progress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(2.0)
-        if self._bar is not None:
-            bar, self._bar = self._bar, None
-            with bar.get_lock():
-                for handler, stream in self._handlers:
-                    handler.setStream(stream)
-                self._handlers.clear()
-                try:
-                    bar.close()
-                except (OSError, ValueError):  # the terminal went away
-                    pass
+        if self._bar is None:
+            return
+        bar, self._bar = self._bar, None
+        locked = self._lock.acquire(timeout=LOCK_WAIT)
+        try:
+            for handler, stream in self._handlers:
+                handler.setStream(stream)
+            self._handlers.clear()
+            if locked:  # else a write to the terminal is stuck: leave the line as it is
+                bar.close()
+        except (OSError, ValueError):  # the terminal went away
+            pass
+        finally:
+            if locked:
+                self._lock.release()
 
     # ------------------------------------------------------------------ log lines
     def _lines(self) -> None:
@@ -184,7 +193,7 @@ class Progress:
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream is self.stream:
                 self._handlers.append((handler, self.stream))
-                handler.setStream(_AroundLine(self.stream, self._bar))
+                handler.setStream(_AroundLine(self.stream, self._bar, self._lock))
 
     def _columns(self) -> int:
         try:
@@ -209,7 +218,9 @@ class Progress:
     def _draw(self, bar: Any, s: Snapshot) -> None:
         head = f"node {s.node} "
         wait = s.wait_text()
-        with bar.get_lock():
+        if not self._lock.acquire(timeout=LOCK_WAIT):
+            return
+        try:
             if self._stop.is_set():
                 return
             bar.ncols = self._columns()
@@ -225,6 +236,8 @@ class Progress:
                 bar.bar_format, bar.total, bar.n = "{desc}", None, 0
                 bar.desc = head + ", ".join([_budget_short(s)] + status_parts(s))
             bar.refresh(nolock=True)
+        finally:
+            self._lock.release()
 
 
 def _budget_short(s: Snapshot) -> str:
@@ -249,17 +262,21 @@ class _Line(tqdm):
 
 class _AroundLine:
     """A stream for the log handler while the live line is shown: each write clears the line,
-    writes, and draws the line again, under tqdm's lock (the redraw thread holds it too)."""
+    writes, and draws the line again, holding the display's lock (the redraw holds it too)."""
 
-    def __init__(self, real: IO[str], bar: Any) -> None:
-        self.real, self.bar = real, bar
+    def __init__(self, real: IO[str], bar: Any, lock: threading.RLock) -> None:
+        self.real, self.bar, self.lock = real, bar, lock
 
     def write(self, text: str) -> int:
-        with self.bar.get_lock():
+        if not self.lock.acquire(timeout=LOCK_WAIT):
+            return self.real.write(text)  # the record goes out, around the line or not
+        try:
             self.bar.clear(nolock=True)
             n = self.real.write(text)
             self.real.flush()
             self.bar.refresh(nolock=True)
+        finally:
+            self.lock.release()
         return n
 
     def flush(self) -> None:
