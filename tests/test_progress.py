@@ -111,7 +111,7 @@ def test_a_terminal_shows_a_live_line_and_warning_level_shows_none(tmp_path):
         for n in nodes:
             n.close()
     out = n0.text
-    live = re.findall(r"node 0 +\d+%\|[^|]*\| \d+/8000 it, \d+ it/s, ETA \d+ s, leader w\d "
+    live = re.findall(r"node 0 +\d+%\|[^|]*\| \d+/8000 it, [\d.]+ it/s, ETA [\d:]+(?: s)?, leader w\d "
                       r"\(node [01]\) loss [-+.\deE]+, nodes 2/2, workers 2/2 training, "
                       r"round \d+", out)
     assert live, out[-3000:]
