@@ -39,6 +39,7 @@ from pathlib import Path
 from . import exitcodes
 from .config import ConfigError, JobConfig, fields
 from .files import private_dir, write_atomic
+from .lograte import LIVE_LINE_ENV, log_format
 from .security import Security, SecurityError, is_loopback
 from .worker.process import check_entry
 
@@ -314,36 +315,20 @@ def _early_summary(config: JobConfig, code: int, reason: str) -> None:
         log.warning("cannot write %s: %s", path, exc)
 
 
+def _is_tty(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[union-attr]
+    except (AttributeError, ValueError, OSError):
+        return False
+
+
 def _print_summary(summary: dict, code: int) -> None:
-    node = summary.get("node")
-    reason = summary.get("stop_reason", "")
-    if code == exitcodes.STOPPED:
-        print(f"lsgd: node {node}: {reason}", flush=True)
-        return
-    if code in (exitcodes.INTERRUPTED, exitcodes.TERMINATED):
-        also = "; the job was stopped on every node" if summary.get("stopped_job") else ""
-        print(f"lsgd: node {node}: {reason}{also}", flush=True)
-        return
-    if code not in (exitcodes.OK, exitcodes.DEGRADED):
-        if summary.get("stopped_job"):  # the error itself was logged as it happened
-            print(f"lsgd: node {node}: the job was stopped on every node", flush=True)
-        return
-    lines = [f"lsgd: node {summary.get('node')} finished in {summary.get('seconds', 0):.1f} s; "
-             f"global counter {summary.get('counter')}; this node's workers did "
-             f"{sum(summary.get('workers', {}).values())} iterations"]
-    ev = summary.get("evaluation") or {}
-    leader = summary.get("final_leader", {})
-    parts = []
-    for name, label in (("leader", f"final leader (worker {leader.get('worker_id')})"),
-                        ("average", "worker average"), ("center", "center")):
-        if name in ev and "accuracy" in ev[name]:
-            parts.append(f"{label} {ev[name]['accuracy']:.4f}")
-    if parts:
-        lines.append("lsgd: test accuracy: " + ", ".join(parts))
-    if code == exitcodes.DEGRADED:
-        lines.append(f"lsgd: node {node} finished with problems: "
-                     + "; ".join(summary.get("problems", [])) + f" (exit code {code})")
-    print("\n".join(lines), flush=True)
+    """The node's last lines: how it ended, what it did, where to look (local_server/summary.py)."""
+    from .local_server.summary import final_lines
+
+    lines = final_lines(summary, code)
+    if lines:
+        print("\n".join(lines), flush=True)
 
 
 def _certs(args: argparse.Namespace) -> int:
@@ -366,7 +351,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "certs":
         return _certs(args)
     level = getattr(logging, args.log_level)
-    logging.basicConfig(level=level, format="%(asctime)s node %(levelname)s %(message)s")
+    if (args.progress_every or 0) > 0 and level <= logging.INFO and _is_tty(sys.stderr):
+        os.environ[LIVE_LINE_ENV] = "1"  # every process's log records clear the live line
+    logging.basicConfig(level=level, format=log_format(f"node {args.node_index}"))
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobConfig)}
     try:
         config = JobConfig(**values)

@@ -14,8 +14,31 @@ many more there were, and keeps a total per kind for the run summary::
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from typing import Callable
+
+# Set (to "1") by a node whose stderr is a terminal where progress lines may be drawn; its
+# processes then start each log record by clearing the terminal's current line (``log_format``).
+LIVE_LINE_ENV = "LSGD_LIVE_LINE"
+CLEAR_LINE = "\r\x1b[K"  # carriage return, erase to the end of the line
+
+
+def log_format(who: str) -> str:
+    """The log record format of a process of the job (``who``: node 0, worker 3, global).
+
+    On a terminal where a node draws a live progress line (``local_server/progress.py``), each
+    record first erases that line, so a record never lands in the middle of it; the line is
+    drawn again below the record a moment later.
+    """
+    clear = ""
+    if os.environ.get(LIVE_LINE_ENV) == "1":
+        try:
+            clear = CLEAR_LINE if sys.stderr is not None and sys.stderr.isatty() else ""
+        except (AttributeError, ValueError, OSError):
+            pass
+    return f"{clear}%(asctime)s {who} %(levelname)s %(message)s"
 
 
 class RepeatedLog:

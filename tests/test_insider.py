@@ -190,10 +190,12 @@ def test_a_sum_of_more_vectors_than_the_node_reported_is_refused(server):
 def test_a_detached_node_takes_at_most_one_global_period_of_its_own():
     from lsgd.local_server import server as ls
     from lsgd.local_server import messages as m
+    from lsgd.local_server.view import NodeView
 
     cfg = JobConfig(num_groups=2, workers=2, g_comm=4, l_comm=4, algorithm="easgd")
     node = ls.LocalServer.__new__(ls.LocalServer)
     node.cfg, node.detached_since, node.share, node.own_credits = cfg, None, 3, 0
+    node.view = NodeView(cfg)  # what the progress line shows (a wait while detached)
     node.workers = [SimpleNamespace(local=i, gone=False) for i in range(2)]
     sent = []
     node._send = lambda w, msg: sent.append(msg.count if isinstance(msg, m.Credits) else msg)

@@ -23,6 +23,7 @@ import grpc
 
 from ..config import JobConfig
 from ..files import private_dir, write_atomic
+from ..lograte import log_format
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import Security, is_loopback
 from ..status.http import start_status_page
@@ -282,7 +283,7 @@ def process_main(config: JobConfig, conn: object, log_level: int,
     """Entry point of the global server process started by node 0 (spawn context)."""
     import sys
 
-    logging.basicConfig(level=log_level, format="%(asctime)s global %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level, format=log_format("global"))
     # Ctrl-C reaches node 0's whole process group: node 0 decides (it stops the job, and then
     # this server); SIGTERM stops the job from here.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import grpc
 import numpy as np
@@ -21,6 +21,7 @@ from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import Security
 from ..wire import GRPC_OPTIONS, aligned_empty, steady_heap, wire_dtype
+from .view import Evaluation, NodeView, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,8 @@ PULL_CHUNK = 1 << 17  # download, asked of the server
 RPC_TIMEOUT = 10.0  # seconds for short calls
 CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.enable_retries", 0)]  # retries are ours, explicit
 WIRE_FORMATS = {"float32": pb.WIRE_FORMAT_UNSPECIFIED, "bfloat16": pb.WIRE_FORMAT_BFLOAT16}
+MAX_EVALUATIONS = 64  # evaluations per heartbeat (the server's bound)
+MAX_METRIC = 64  # characters of an evaluation's metric name (the server's bound)
 BUFFER_KINDS = {"global_leader": pb.BUFFER_KIND_GLOBAL_LEADER, "center": pb.BUFFER_KIND_CENTER,
                 "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE}
 
@@ -146,11 +149,18 @@ class GlobalClient:
                 time.sleep(delay)
                 delay = min(delay * 2, 2.0)
 
-    def heartbeat(self) -> int:
-        resp = self._stub.Heartbeat(pb.HeartbeatRequest(node=self._node()), timeout=RPC_TIMEOUT,
-                                    metadata=self._md)
+    def heartbeat(self, report: pb.NodeReport | None = None) -> int:
+        """Beat (with the node's ``report`` for the status page); returns the counter."""
+        return self.beat(report).counter
+
+    def beat(self, report: pb.NodeReport | None = None) -> pb.HeartbeatResponse:
+        """Beat; returns the whole answer (who is there, who leads: the progress line)."""
+        req = pb.HeartbeatRequest(node=self._node())
+        if report is not None:
+            req.report.CopyFrom(report)
+        resp = self._stub.Heartbeat(req, timeout=RPC_TIMEOUT, metadata=self._md)
         self.stopped = self.stopped or resp.stopped
-        return resp.counter
+        return resp
 
     @property
     def last_seq(self) -> int:
@@ -332,8 +342,11 @@ class Heartbeat:
     and reattaches (clearing ``trouble``). The thread goes on beating with the newest session.
     """
 
-    def __init__(self, client: GlobalClient, interval: float, give_up: float) -> None:
+    def __init__(self, client: GlobalClient, interval: float, give_up: float,
+                 view: NodeView | None = None) -> None:
         self.client, self.interval, self.give_up = client, interval, give_up
+        self.view = view  # reported with each beat, and told the answer
+        self.evaluations_held = 0  # the server holds the node's evaluations up to this index
         self.trouble: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lsgd-heartbeat", daemon=True)
@@ -350,8 +363,9 @@ class Heartbeat:
         while not self._stop.wait(self.interval):
             session = self.client.session
             try:
-                self.client.heartbeat()
+                resp = self.client.beat(self._watched(self._report))
                 last_ok = time.monotonic()
+                self._watched(self._heard, resp)
             except grpc.RpcError as exc:
                 if self.client.session != session:  # the node reattached meanwhile: stale
                     continue
@@ -360,3 +374,48 @@ class Heartbeat:
                 elif time.monotonic() - last_ok > self.give_up:
                     self.trouble = (f"global server at {self.client.address} unreachable for "
                                     f"{self.give_up:g} s ({exc.code().name})")
+
+    def _watched(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call a part of watching the job; one that fails stops the reports, never the beat."""
+        if self.view is None:
+            return None
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - the beat keeps the node in the job
+            log.warning("node status reports stopped: %s: %s", type(exc).__name__, exc)
+            self.view = None
+            return None
+
+    def _report(self) -> pb.NodeReport:
+        assert self.view is not None
+        start, evaluations = self.view.evaluations_since(self.evaluations_held, MAX_EVALUATIONS)
+        return node_report(self.view.snapshot(), start, evaluations)
+
+    def _heard(self, resp: pb.HeartbeatResponse) -> None:
+        assert self.view is not None
+        self.evaluations_held = resp.evaluations_held
+        leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
+        self.view.on_heartbeat(counter=resp.counter, nodes_alive=resp.nodes_alive,
+                               nodes_missing=resp.nodes_missing, job_started=resp.job_started,
+                               leader=leader, leader_node=resp.leader_node, rounds=resp.rounds)
+
+
+def node_report(s: Snapshot, evaluations_from: int, evaluations: list[Evaluation]) -> pb.NodeReport:
+    """The ``NodeReport`` of a heartbeat: this node's workers only, at most
+    ``MAX_EVALUATIONS`` evaluations, metric names cut to ``MAX_METRIC`` characters."""
+    report = pb.NodeReport(steps=s.steps, rate=max(0.0, s.node_rate or 0.0),
+                           workers_training=s.workers_training, reattaches=s.reattaches,
+                           evaluations_from=evaluations_from)
+    for w in s.workers:
+        report.workers.add(worker_id=w.worker_id, iterations=w.iterations, loss=w.loss,
+                           distance=w.distance, distance_to=w.distance_to, resets=w.resets,
+                           respawns=w.respawns, training=w.training, round_id=w.round_id)
+    if s.local_leader is not None:
+        report.has_local_leader = True
+        report.local_leader.worker_id = s.local_leader.worker_id
+        report.local_leader.loss = s.local_leader.loss
+    for e in evaluations[:MAX_EVALUATIONS]:
+        report.evaluations.add(round_id=e.round_id, iteration=e.iteration, target=e.target,
+                               metric=e.metric[:MAX_METRIC], value=e.value,
+                               worker_id=e.worker_id if e.worker_id is not None else 0)
+    return report

@@ -121,6 +121,8 @@ class RecoveryMixin:
             log.warning("node %d: lost the global server (%s); training on by itself and "
                         "reattaching (RECONNECT_TIMEOUT %g s)", self.cfg.node_index, why,
                         self.cfg.reconnect_timeout)
+            self.view.wait("detached from the global server, reattaching", "RECONNECT_TIMEOUT",
+                           cfg.reconnect_timeout)
 
     def _reattach(self) -> bool:
         """Try to reattach (rate-limited, with backoff); True once attached again."""
@@ -167,6 +169,7 @@ class RecoveryMixin:
                     "the global server had restarted" if resp.epoch != old_epoch else "same server",
                     resp.counter)
         self.detached_since = None
+        self.view.reattached()
         return True
 
     def _previous_session(self) -> int:

@@ -73,6 +73,8 @@ class RoundMixin:
             self._sum_slots(joins)
         answer = self._report(rid, best, len(joins))
         exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
+        self.view.on_round(rid, kind.name.lower(), answer.leader if exchanged else None,
+                           answer.leader_node if exchanged else None)
         evaluate = exchanged and answer.evaluate
         ckpt = exchanged and answer.checkpoint
         global_leader, upload, have_leader, source = None, False, False, None
@@ -276,10 +278,12 @@ class RoundMixin:
     def _final_round(self, rid: int, iteration: int, joins: dict[int, m.Join], best: Candidate | None,
                      local_of: dict[int, int]) -> bool:
         assert self.store is not None
+        self.view.wait(f"final round {rid}: electing the final leader", key="final")
         if joins:
             self._sum_slots(joins)
         answer = self._report(rid, best, len(joins))
         if answer and not answer.missed:
+            self.view.on_round(rid, "final", answer.leader, answer.leader_node)
             if answer.leader and answer.leader_node == self.cfg.node_index:
                 ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[answer.leader.worker_id]))
                 self._push(GLOBAL_LEADER, GLOBAL_LEADER, rid)
@@ -299,6 +303,7 @@ class RoundMixin:
                 evaluate.append(CENTER)
             if self._pull(SUM, "average", rid):
                 evaluate.append(SUM)
+            self.view.wait(f"final round {rid}: evaluating", key="final")
             self.summary["evaluation"] = self._evaluate(min(joins), tuple(evaluate), rid,
                                                         iteration,
                                                         answer.leader.worker_id if answer.leader else None)
@@ -313,6 +318,7 @@ class RoundMixin:
         """Send Stop and collect the last reports (steps of late workers count too)."""
         self.stopping = True
         self.stop_sent_at = time.monotonic()
+        self.view.wait("stopping the workers")
         for w in self._live():
             self._send(w, m.Stop("job finished"))
         end = time.monotonic() + STOP_GRACE

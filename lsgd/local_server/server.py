@@ -47,14 +47,18 @@ from .inbox import Inbox
 from .liveness import LoopBeat
 from .metrics import MetricsWriter
 from .procs import end_group, start_process, stop_process
+from .progress import Progress
 from .recovery import RecoveryMixin
 from .round_runner import RECOVERABLE, STOP_GRACE, RoundMixin
 from .state import NodeError, Report, WorkerState
 from .store import NodeStore, StoreLayout, reclaim_stale
+from .summary import budget_reason, where_to_look
+from .view import NodeView
 
 log = logging.getLogger(__name__)
 
 POLL = 0.05  # seconds between liveness checks while waiting for messages
+VIEW_EVERY = 0.25  # seconds between updates of the view with the workers' step counts
 START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
 IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is waiting
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
@@ -96,6 +100,10 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         self.replaces = self._previous_session()  # this node restarted after a crash
         self.metrics = MetricsWriter(self.dir / "metrics.csv", staged=config.resume,
                                      keep=bool(self.replaces))
+        self.view = NodeView(config)  # what this node knows of the job (view.py)
+        self.metrics.add_sink(self.view.on_rows)
+        self.progress = Progress(self.view, config)  # the live line or progress lines
+        self.view_due = 0.0  # when _recv next gives the view the workers' step counts
         self.summary: dict = {}
         self.layout_name: str | None = None
         self.detached_since: float | None = None  # global server out of reach since then
@@ -124,6 +132,7 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         """
         ended: BaseException | None = None
         try:
+            self.progress.start()
             self._wait_for_global()
             self._start_workers()
             self._handshake()
@@ -149,6 +158,8 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         return code
 
     def _wait_for_global(self) -> None:
+        self.view.wait(f"waiting for the global server at {self.address}", "CONNECT_TIMEOUT",
+                       self.cfg.connect_timeout)
         try:
             grpc.channel_ready_future(self.client._channel).result(timeout=self.cfg.connect_timeout)
         except grpc.FutureTimeoutError:
@@ -175,6 +186,7 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
 
     def _shutdown(self, code: int = exitcodes.FAILED, reason: str = "") -> None:
         self.closing = True
+        self.progress.close()  # the live line is erased before the last lines
         self._announce_stop(code, reason)  # node 0 ending early: first tell the other nodes
         self.liveness.close()
         if self.heartbeat is not None:
@@ -219,6 +231,10 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
         self.summary["shm"] = self.layout_name
         self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
+        started = time.time() - (time.monotonic() - self.t0)
+        self.summary.update(self.view.final(), files=where_to_look(self.cfg, since=started))
+        if code in (exitcodes.OK, exitcodes.DEGRADED):
+            self.summary["job_stop_reason"] = budget_reason(self.cfg, self.summary.get("counter"))
         write_atomic(self.dir / "summary.json", json.dumps(self.summary, indent=2))
 
     # ------------------------------------------------------------------ messaging
@@ -278,6 +294,8 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
 
     def _recv(self, timeout: float = POLL) -> object | None:
         self.beat.value = time.time()
+        if time.monotonic() >= self.view_due:
+            self._tell_view()
         self._check_stopped()
         try:
             msg = self.inbox.get(timeout=timeout)
@@ -319,6 +337,12 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
             return None
         return msg
 
+    def _tell_view(self) -> None:
+        """Give the view the workers' step counts and states (a few times a second)."""
+        self.view_due = time.monotonic() + VIEW_EVERY
+        self.view.set_workers((w.worker_id, w.iterations, not (w.gone or w.absent or w.starting),
+                               len(w.respawns)) for w in self.workers)
+
     def _account(self, w: WorkerState, consumed: int) -> None:
         w.iterations += consumed
         if w.released:
@@ -337,6 +361,7 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         while len(counts) < len(self._live()):
             if time.monotonic() > end:
                 raise NodeError(f"workers did not start within {START_TIMEOUT:g} s")
+            self.view.wait(f"starting {len(self._live())} workers: {len(counts)} ready", key="start")
             msg = self._recv()
             if isinstance(msg, m.Hello):
                 counts[msg.local] = (msg.param_count, msg.stats_count, msg.average_stats)
@@ -351,12 +376,15 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         reclaim_stale(self.cfg.job_id, self.cfg.node_index)
         self.store = NodeStore.create(layout)
         self.layout_name = layout.name
+        self.view.wait(f"joining the job at {self.address}", "CONNECT_TIMEOUT",
+                       self.cfg.connect_timeout)
         resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
                                 algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
                                 connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
         self._joined(resp.session, resp.counter)
+        self.view.on_counter(resp.counter)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
-                                   give_up=max(2 * self.cfg.node_timeout, 10.0))
+                                   give_up=max(2 * self.cfg.node_timeout, 10.0), view=self.view)
         self.heartbeat.start()
         self.last_round_seen = resp.round_id
         resumed = self._resume() if self.cfg.resume else None
@@ -372,6 +400,7 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         while len(ready) < len(self._live()):
             if time.monotonic() > end:
                 raise NodeError(f"workers did not publish their parameters within {START_TIMEOUT:g} s")
+            self.view.wait(f"setting up {len(self._live())} workers: {len(ready)} ready", key="setup")
             msg = self._recv()
             if isinstance(msg, m.Ready):
                 ready.add(msg.local)
@@ -390,6 +419,7 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
             if not self._pull(CENTER, CENTER, 0):
                 raise NodeError("could not download the initial EASGD center")
         self.training = True
+        self.view.joined()
         log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,
                  self.cfg.job_id, len(ready), param_count)
 
@@ -472,9 +502,11 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
             # Long-poll only when no worker here holds credits: then only other nodes can
             # move the job forward. Otherwise our own workers' next reports will.
             busy = any(w.outstanding for w in self._live())
-            return self.client.acquire(consumed=r.consumed, late=r.late, released=r.released,
-                                       want=want, last_round_seen=self.last_round_seen,
-                                       max_wait=0.0 if busy else 0.5)
+            answer = self.client.acquire(consumed=r.consumed, late=r.late, released=r.released,
+                                         want=want, last_round_seen=self.last_round_seen,
+                                         max_wait=0.0 if busy else 0.5)
+            self.view.on_counter(answer.counter)
+            return answer
         except grpc.RpcError as exc:
             if exc.code() not in RECOVERABLE:
                 self.report = r

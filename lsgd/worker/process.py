@@ -33,6 +33,7 @@ from typing import Callable
 from ..config import is_script
 from ..local_server import messages as m
 from ..local_server.procs import end_own_group, lead_own_group
+from ..lograte import log_format
 from . import client
 from .client import EvaluatorDone, LocalServerGone, NotTraining, Worker, WorkerContext
 
@@ -181,7 +182,7 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     atexit.register(gc.freeze)
     lead_own_group(ctx.parent_pid)
     who = "evaluator" if ctx.evaluator else f"worker {ctx.config.worker_id(ctx.local_index)}"
-    logging.basicConfig(level=log_level, format=f"%(asctime)s {who} %(levelname)s %(message)s")
+    logging.basicConfig(level=log_level, format=log_format(who))
     if log_level > logging.DEBUG:  # PyTensor's dozen "Suppressed KeyError" lines at import
         logging.getLogger("pytensor.configparser").setLevel(logging.WARNING)
     worker = Worker(ctx)
