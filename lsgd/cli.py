@@ -5,6 +5,8 @@ Examples::
     lsgd train --node-index 0                                  # whole job on this machine
     lsgd train --node-index 0 --num-groups 2 --ip-addr 10.0.0.1  # on node 0 (hosts the server)
     lsgd train --node-index 1 --num-groups 2 --ip-addr 10.0.0.1  # on node 1
+    lsgd status --watch          # a running job's progress, from node 0's status page
+    lsgd plot runs/lsgd          # its loss, leaders, distances and evaluations: runs/lsgd/plots.png
 
 Every flag has an environment variable in ``train.sh``; ``lsgd train --help`` lists them all.
 
@@ -37,9 +39,11 @@ import typing
 from pathlib import Path
 
 from . import exitcodes
+from . import plot as plot_command
 from .config import ConfigError, JobConfig, fields
 from .files import private_dir, write_atomic
 from .security import Security, SecurityError, is_loopback
+from .status import client as status_command
 from .worker.process import check_entry
 
 log = logging.getLogger("lsgd")
@@ -86,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--hosts", required=True,
                        help="the nodes' addresses, node 0 first, comma-separated (10.0.0.1,10.0.0.2)")
     certs.add_argument("--days", type=int, default=365, help="validity of the certificates")
+    status_command.add_parser(sub)
+    plot_command.add_parser(sub)
     return parser
 
 
@@ -365,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "certs":
         return _certs(args)
+    if args.command == "status":
+        return status_command.main(args)
+    if args.command == "plot":
+        return plot_command.main(args)
     level = getattr(logging, args.log_level)
     logging.basicConfig(level=level, format="%(asctime)s node %(levelname)s %(message)s")
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(JobConfig)}
