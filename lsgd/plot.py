@@ -139,10 +139,13 @@ def draw(run: Run, title: str = "") -> Any:
     _leaders(lead, run)
     _evaluations(evals, run)
     _info(info, run, workers)
-    for ax, name, x, y in ((loss_t, "loss per worker vs time", "seconds since the node started", "loss"),
-                           (loss_i, "loss per worker vs global iterations", "global iteration", "loss"),
-                           (dist, "distance to the leader or center", "global iteration", "distance (before the pull)"),
-                           (evals, "evaluations", "global iteration", "value")):
+    it = "global iteration"
+    for ax, name, x, y in ((loss_t, "loss per worker vs time", "seconds since the node started",
+                            "loss"),
+                           (loss_i, "loss per worker vs global iterations", it, "loss"),
+                           (dist, "distance to the leader or center", it,
+                            "distance (before the pull)"),
+                           (evals, "evaluations", it, "value")):
         ax.set_title(name)
         ax.set_xlabel(x)
         ax.set_ylabel(y)
