@@ -144,8 +144,7 @@ def draw(run: Run, title: str = "") -> Any:
                             "loss"),
                            (loss_i, "loss per worker vs global iterations", it, "loss"),
                            (dist, "distance to the leader or center", it,
-                            "distance (before the pull)"),
-                           (evals, "evaluations", it, "value")):
+                            "distance (before the pull)")):
         ax.set_title(name)
         ax.set_xlabel(x)
         ax.set_ylabel(y)
@@ -179,17 +178,35 @@ def _leaders(ax: Any, run: Run) -> None:
 
 
 def _evaluations(ax: Any, run: Run) -> None:
+    """One curve per target and metric; metrics after the first on a second y axis (an
+    accuracy near 1 and a loss near 0.1 would flatten each other on one)."""
     curves: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in run.evals:
         value = _num(r.get("value"))
         if value is not None and r.get("target") and r.get("metric"):
             curves.setdefault((r["metric"], r["target"]), []).append((_num(r["iteration"]), value))
     metrics = sorted({m for m, _ in curves})
+    axis = {m: ax for m in metrics[:1]}
+    if len(metrics) > 1:
+        twin = ax.twinx()
+        axis.update({m: twin for m in metrics[1:]})
+        twin.set_ylabel(", ".join(metrics[1:]))
     for (metric, target), pts in sorted(curves.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], TARGET_STYLE.get(target, "-."),
-                marker="o", ms=3, color=f"C{metrics.index(metric) % 10}",
-                label=f"{target} {metric}")
+        axis[metric].plot([p[0] for p in pts], [p[1] for p in pts], TARGET_STYLE.get(target, "-."),
+                          marker="o", ms=3, color=f"C{metrics.index(metric) % 10}",
+                          label=f"{target} {metric}")
+    ax.set_title("evaluations")
+    ax.set_xlabel("global iteration")
+    ax.set_ylabel(metrics[0] if metrics else "value")
+    if curves:
+        handles = [h for a in {id(a): a for a in axis.values()}.values()
+                   for h in a.get_legend_handles_labels()[0]]
+        ax.legend(handles, [h.get_label() for h in handles], fontsize="x-small")
+        ax.grid(alpha=0.3)
+    else:
+        ax.text(0.5, 0.5, "no evaluation yet (EVAL_EVERY; the last one comes at the end)",
+                ha="center", va="center", transform=ax.transAxes, color="gray")
 
 
 def _info(ax: Any, run: Run, workers: list[int]) -> None:

@@ -111,6 +111,20 @@ def test_cli_writes_a_png(two_nodes, tmp_path, capsys):
     assert (two_nodes / "plots.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_a_second_metric_gets_its_own_axis(tmp_path):
+    rows = [{"round": r, "kind": "eval", "iteration": 64 * r, "time_s": r, "target": t,
+             "metric": m, "value": v * r} for r in (1, 2) for t in ("leader", "average")
+            for m, v in (("accuracy", 0.45), ("loss", 0.05))]
+    write_metrics(tmp_path / "run" / "node0" / "metrics.csv", rows)
+    fig = draw(load(tmp_path / "run"))
+    ax = panels(fig)["evaluations"]
+    twin, = [a for a in fig.axes if a is not ax and a.bbox.bounds == ax.bbox.bounds]
+    assert {line.get_label() for line in ax.lines} == {"leader accuracy", "average accuracy"}
+    assert {line.get_label() for line in twin.lines} == {"leader loss", "average loss"}
+    assert ax.get_ylabel() == "accuracy" and twin.get_ylabel() == "loss"
+    assert len(ax.get_legend().get_texts()) == 4
+
+
 def test_easgd_run_has_no_leaders_but_center_distances(tmp_path):
     rows = [{"round": r, "kind": "global", "iteration": 64 * r, "time_s": r, "worker_id": w,
              "worker_iterations": 16 * r, "loss": 1 / r, "pull_center": 1 / r} for r in (1, 2, 3)

@@ -219,8 +219,12 @@ def watch(client: StatusClient, as_json: bool, every: float | None = None,
 
 def add_parser(sub: Any) -> None:
     """The ``status`` subcommand's arguments."""
+    parts = (__doc__ or "").split("Examples::\n\n", 1)  # python -OO strips docstrings
+    examples = parts[1].split("\n\n", 1)[0] if len(parts) == 2 else ""
     p = sub.add_parser("status", help="print a running job's status (node 0's status page)",
-                       description=(__doc__ or "").split("\n\n")[0])
+                       description="Print a job's status (node 0's /status.json) as a table.",
+                       epilog="examples:\n" + examples if examples else None,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--address", metavar="HOST:PORT",
                    help="node 0's status page (default: 127.0.0.1 and the port in "
                         "RUN_DIR/global/status.port, else 50052)")
