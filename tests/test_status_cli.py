@@ -209,7 +209,7 @@ def test_bad_address_is_a_usage_error(capsys, address):
 
 
 def test_an_answer_that_is_not_a_status_page(serve, capsys):
-    for body in (b"<html>hello</html>", b'{"no": "job"}', b"[1, 2]"):
+    for body in (b"<html>hello</html>", b'{"no": "job"}', b"[1, 2]", b"[" * 100_000):
         stub = serve([body])
         code, _, err = run(capsys, "--address", stub.address)
         assert code == 1 and "not an lsgd status page" in err

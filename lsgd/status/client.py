@@ -109,7 +109,7 @@ class StatusClient:
         text = self.fetch_text()
         try:
             data = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             data = None
         if not isinstance(data, dict) or not isinstance(data.get("job"), dict):
             raise StatusError(f"the answer from {self.base}/status.json is not an lsgd status "
