@@ -5,6 +5,8 @@ Examples::
     lsgd train --node-index 0                                  # whole job on this machine
     lsgd train --node-index 0 --num-groups 2 --ip-addr 10.0.0.1  # on node 0 (hosts the server)
     lsgd train --node-index 1 --num-groups 2 --ip-addr 10.0.0.1  # on node 1
+    lsgd status --watch          # a running job's progress, from node 0's status page
+    lsgd plot runs/lsgd          # its loss, leaders, distances and evaluations: runs/lsgd/plots.png
 
 Every flag has an environment variable in ``train.sh``; ``lsgd train --help`` lists them all.
 
@@ -37,10 +39,12 @@ import typing
 from pathlib import Path
 
 from . import exitcodes
+from . import plot as plot_command
 from .config import ConfigError, JobConfig, fields
 from .files import private_dir, write_atomic
 from .lograte import LIVE_LINE_ENV, log_format
 from .security import Security, SecurityError, is_loopback
+from .status import client as status_command
 from .worker.process import check_entry
 
 log = logging.getLogger("lsgd")
@@ -87,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--hosts", required=True,
                        help="the nodes' addresses, node 0 first, comma-separated (10.0.0.1,10.0.0.2)")
     certs.add_argument("--days", type=int, default=365, help="validity of the certificates")
+    status_command.add_parser(sub)
+    plot_command.add_parser(sub)
     return parser
 
 
@@ -350,6 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "certs":
         return _certs(args)
+    if args.command == "status":
+        return status_command.main(args)
+    if args.command == "plot":
+        return plot_command.main(args)
     level = getattr(logging, args.log_level)
     if (args.progress_every or 0) > 0 and level <= logging.INFO and _is_tty(sys.stderr):
         os.environ[LIVE_LINE_ENV] = "1"  # every process's log records clear the live line

@@ -7,6 +7,7 @@ generated from the fields below, so a knob, its flag and its check cannot drift 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import os
 import re
@@ -160,6 +161,9 @@ class JobConfig:
             except ImportError:
                 raise ConfigError("wire bfloat16 needs the ml_dtypes package: "
                                   "pip install 'lsgd[bf16]'") from None
+        if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
+            raise ConfigError("tensorboard (TENSORBOARD=1) needs the tensorboardX package: "
+                              "pip install 'lsgd[tensorboard]'")
         self._validate_security(need)
         for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout",
                      "state_every", "reconnect_timeout"):

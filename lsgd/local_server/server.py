@@ -40,6 +40,7 @@ from ..security import Security
 from ..worker.client import WorkerContext
 from ..worker.process import worker_main
 from . import messages as m
+from . import tensorboard
 from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
@@ -123,6 +124,7 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         self.ending = {"rounds": 0, "healthy": 0, "elected": 0}  # rounds seen here (ending.py)
         self.stop_sent_at: float | None = None  # when the workers were told to stop
         self.closing = False  # shutting down: a second Ctrl-C must not interrupt it
+        self.board = tensorboard.attach(config, self.metrics)  # TENSORBOARD=1: a metrics sink
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -214,6 +216,8 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
             self.store.close(unlink=True)
             self.store = None
         self.metrics.close()
+        if self.board is not None:
+            self.board.close()
         self._leave_stopped(code)
         self.client.close()
         self.summary.setdefault("node", self.cfg.node_index)

@@ -26,7 +26,7 @@ import os
 import queue
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from ..leader import LossWindow
 from ..local_server import messages as m
 from ..local_server.store import NodeStore
 from ..rules import ops
+from . import scalars as worker_scalars
 from . import state as worker_state
 from .adapters import ParamAdapter, as_params
 from .solo import SoloWorker, check_register, check_step, loss_value
@@ -115,6 +116,9 @@ class Worker:
         # Tell the local server we are alive while we work through long credit shares.
         self._progress_every = min(1.0, ctx.config.round_timeout / 4)
         self._last_sent = time.monotonic()
+        self._scalars = worker_scalars.for_worker(  # log(): the loop's own numbers
+            ctx.config, "evaluator" if ctx.evaluator else f"worker{self.worker_id}",
+            lambda: self.iterations)
 
     # ------------------------------------------------------------------ public API
     def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
@@ -219,12 +223,23 @@ class Worker:
         return _take(arrays, shard_indices(n, self.worker_id, self.num_workers,
                                            mode or self.config.shard, self.config.seed))
 
+    def log(self, scalars: Mapping[str, float], step: int | None = None) -> None:
+        """Log the loop's own scalars, ``worker.log({"train/accuracy": 0.9})``: to TensorBoard
+        (``RUN_DIR/tensorboard/worker<id>/`` with ``TENSORBOARD=1``) and to every ``on_log``
+        function. ``step`` defaults to this worker's iteration count. See ``scalars.py``."""
+        self._scalars.log(scalars, step)
+
+    def on_log(self, fn: worker_scalars.LogFn) -> worker_scalars.LogFn:
+        """Call ``fn(scalars, step)`` at every ``log()`` (route them to W&B, MLflow, ...)."""
+        return self._scalars.on_log(fn)
+
     @property
     def registered(self) -> bool:
         return self._params is not None
 
     def close(self) -> None:
         """Report the last steps and detach from shared memory (safe to call twice)."""
+        self._scalars.close()
         if self.is_evaluator:
             self._stopped = True
         elif self._params is not None and (self._unreported or not self._stopped):

@@ -6,11 +6,12 @@ not one number.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from ..config import JobConfig
+from . import scalars as worker_scalars
 from .adapters import ParamAdapter, as_params
 
 
@@ -29,6 +30,7 @@ class SoloWorker:
         self.config = JobConfig()
         self.iterations = 0
         self._params: ParamAdapter | None = None
+        self._scalars = worker_scalars.for_solo(self.config.run_dir, lambda: self.iterations)
 
     def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
                  buffers: str = "local", state: Any = None) -> None:
@@ -44,12 +46,20 @@ class SoloWorker:
         self.iterations += 1
         return True
 
+    def log(self, scalars: Mapping[str, float], step: int | None = None) -> None:
+        """As ``Worker.log``; with ``TENSORBOARD=1`` the events go to
+        ``RUN_DIR/tensorboard/solo/``."""
+        self._scalars.log(scalars, step)
+
+    def on_log(self, fn: worker_scalars.LogFn) -> worker_scalars.LogFn:
+        return self._scalars.on_log(fn)
+
     @property
     def registered(self) -> bool:
         return self._params is not None
 
     def close(self) -> None:
-        pass
+        self._scalars.close()
 
 
 def check_register(registered: ParamAdapter | None) -> None:
