@@ -347,6 +347,7 @@ class Heartbeat:
         self.client, self.interval, self.give_up = client, interval, give_up
         self.view = view  # reported with each beat, and told the answer
         self.evaluations_held = 0  # the server holds the node's evaluations up to this index
+        self._reporting = True  # False once the server refused a report
         self.trouble: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lsgd-heartbeat", daemon=True)
@@ -363,11 +364,17 @@ class Heartbeat:
         while not self._stop.wait(self.interval):
             session = self.client.session
             try:
-                resp = self.client.beat(self._watched(self._report))
+                resp = self.client.beat(self._watched(self._report) if self._reporting else None)
                 last_ok = time.monotonic()
                 self._watched(self._heard, resp)
             except grpc.RpcError as exc:
                 if self.client.session != session:  # the node reattached meanwhile: stale
+                    continue
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and self._reporting:
+                    # Only the status report can be wrong: the beat goes on without reports.
+                    log.warning("the global server refused this node's status report (%s); "
+                                "status reports stop, training goes on", exc.details())
+                    self._reporting = False
                     continue
                 if exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):
                     self.trouble = f"global server refused this node: {exc.details()}"
@@ -400,6 +407,11 @@ class Heartbeat:
                                leader=leader, leader_node=resp.leader_node, rounds=resp.rounds)
 
 
+def _printable(text: str) -> str:
+    """A metric name as the server accepts it: unprintable characters become '?'."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else "?" for c in text)
+
+
 def node_report(s: Snapshot, evaluations_from: int, evaluations: list[Evaluation]) -> pb.NodeReport:
     """The ``NodeReport`` of a heartbeat: this node's workers only, at most
     ``MAX_EVALUATIONS`` evaluations, metric names cut to ``MAX_METRIC`` characters."""
@@ -416,6 +428,6 @@ def node_report(s: Snapshot, evaluations_from: int, evaluations: list[Evaluation
         report.local_leader.loss = s.local_leader.loss
     for e in evaluations[:MAX_EVALUATIONS]:
         report.evaluations.add(round_id=e.round_id, iteration=e.iteration, target=e.target,
-                               metric=e.metric[:MAX_METRIC], value=e.value,
+                               metric=_printable(e.metric)[:MAX_METRIC], value=e.value,
                                worker_id=e.worker_id if e.worker_id is not None else 0)
     return report
