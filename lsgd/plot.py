@@ -229,11 +229,11 @@ def _info(ax: Any, run: Run, workers: list[int]) -> None:
 
 
 def _global_leaders(run: Run) -> dict[int, tuple[float, int]]:
-    """Global round id -> (its iteration, the worker id of its leader)."""
+    """Global (and final) round id -> (its iteration, the worker id of its leader)."""
     seen: dict[int, tuple[float, int]] = {}
     for r in run.rounds:
         leader, rid = _int(r.get("global_leader")), _int(r.get("round"))
-        if r.get("kind") == "global" and leader is not None and rid is not None:
+        if r.get("kind") in ("global", "final") and leader is not None and rid is not None:
             seen.setdefault(rid, (_num(r["iteration"]), leader))
     return seen
 

@@ -107,6 +107,23 @@ def test_rates_and_eta_follow_the_last_ten_seconds():
     assert v2.snapshot().eta == pytest.approx(15)
 
 
+def test_a_counter_or_steps_taken_over_from_before_are_not_speed():
+    # RESUME=1, or a node joining a running job: the first counter heard is 30000
+    v, clock = make(iterations=60_000)
+    for second in range(1, 4):
+        clock.now += 1.0
+        v.snapshot()  # the progress thread reads before the first answer came
+    v.set_workers([(2, 15_000, True, 0), (3, 15_000, True, 0)])  # restored step counts
+    v.joined()
+    for second in range(1, 6):
+        v.on_counter(30_000 + 2500 * second)
+        v.set_workers([(2, 15_000 + 600 * second, True, 0), (3, 15_000 + 600 * second, True, 0)])
+        s = v.snapshot()
+        clock.now += 1.0
+    assert s.rate == pytest.approx(2500, rel=0.3)
+    assert s.node_rate == pytest.approx(1200, rel=0.3)
+
+
 def test_join_wait_and_other_waits_say_what_and_how_long():
     v, clock = make(node=0, groups=3, join_timeout=60)
     v.wait("starting 2 workers: 0 ready", key="start")

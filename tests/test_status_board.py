@@ -82,6 +82,8 @@ BAD = [
     ("an evaluation of a round not opened yet", report(evaluations=[evaluation(rnd=9)]),
      "evaluations[0].round_id"),
     ("a good worker, then a bad one", report(worker(0, rnd=1), worker(5)), "workers[1].worker_id"),
+    ("evaluations numbered past 2**53", report(evaluations=[evaluation()], start=1 << 53),
+     "evaluations_from"),
 ]
 
 
@@ -123,6 +125,18 @@ def test_numbers_that_are_not_finite_are_kept_as_unknown():
 
 
 # ---------------------------------------------------------------------------- evaluations, points
+def test_evaluations_past_what_the_server_holds_are_not_taken_and_asked_for_again():
+    board = StatusBoard(2, 2)
+    assert board.ingest(0, report(evaluations=[evaluation()]), now=0.0, session=7, rounds=5) == 1
+    # numbered from 40: 1..39 would be missing; the answer asks again from 1
+    gap = report(evaluations=[evaluation(rnd=2)], start=40)
+    assert board.ingest(0, gap, now=1.0, session=7, rounds=5) == 1
+    assert len(board.evaluations) == 1
+    # a hostile start cannot push what the server holds out of range either
+    assert board.ingest(0, report(evaluations=[evaluation(rnd=2)], start=(1 << 53) - 1),
+                        now=2.0, session=7, rounds=5) == 1
+
+
 def test_evaluations_are_stored_once_per_session_index():
     board = StatusBoard(2, 2)
     first = [evaluation(rnd=1, value=0.1), evaluation(rnd=1, value=0.2), evaluation(rnd=2, value=0.3)]

@@ -27,7 +27,8 @@ from lsgd.proto import lsgd_pb2 as pb
 from lsgd.proto import lsgd_pb2_grpc as pb_grpc
 from lsgd.security import Security
 from lsgd.status import status_token
-from lsgd.status.http import MAX_REQUESTS, start_status_page, status_host
+from lsgd.status import http as status_http
+from lsgd.status.http import MAX_PER_CLIENT, MAX_REQUESTS, start_status_page, status_host
 
 SECRET = "s3cret-for-the-status-tests-0123456789"
 JOB = "obs"
@@ -287,8 +288,13 @@ def test_health_and_reflection_work_unsigned_while_the_job_refuses_unsigned_call
     assert job.json("/status.json")["job"]["state"] == "stopped"
 
 
-def _raw(port: int, request: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+def _connect(port: int, source: str = "127.0.0.1") -> socket.socket:
+    """A connection to the page from ``source`` (any 127.x.y.z: a client of its own)."""
+    return socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+
+
+def _raw(port: int, request: bytes, source: str = "127.0.0.1") -> bytes:
+    with _connect(port, source) as s:
         try:
             s.sendall(request)
             data = b""
@@ -306,9 +312,16 @@ def test_requests_are_bounded(job):
     big = b"GET /status.json HTTP/1.0\r\nX-Big: " + b"a" * 40_000 + b"\r\n\r\n"
     answer = _raw(port, big)
     assert not answer.startswith(b"HTTP/1.0 200")  # 431, or the connection is cut
-    idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(MAX_REQUESTS)]
+    # one client may hold MAX_PER_CLIENT requests; all clients together MAX_REQUESTS
+    idle = [_connect(port) for _ in range(MAX_PER_CLIENT)]
     try:
-        answer = _raw(port, b"GET /status.json HTTP/1.0\r\n\r\n")
+        assert _raw(port, b"GET /status.json HTTP/1.0\r\n\r\n").startswith(b"HTTP/1.0 503")
+        assert _raw(port, b"GET /status.json HTTP/1.0\r\n\r\n", "127.0.0.2").startswith(
+            b"HTTP/1.0 200")  # another client is still served
+        idle += [_connect(port, f"127.0.0.{3 + i // MAX_PER_CLIENT}")
+                 for i in range(MAX_REQUESTS - MAX_PER_CLIENT)]
+        time.sleep(0.2)  # accepted and counted by the server
+        answer = _raw(port, b"GET /status.json HTTP/1.0\r\n\r\n", "127.0.0.9")
         assert answer.startswith(b"HTTP/1.0 503"), answer[:100]
     finally:
         for s in idle:
@@ -317,7 +330,7 @@ def test_requests_are_bounded(job):
     while job.get("/status.json")[0] != 200:  # the slots come back as the idle ones close
         assert time.monotonic() < end
         time.sleep(0.05)
-    assert job.page._server.busy == 1
+    assert job.page._server.busy == 2
     # without a secret, a page that a browser reached through some other name is refused
     assert job.get("/status.json", headers={"Host": "rebind.example:80"})[0] == 403
     assert job.get("/status.json", headers={"Host": f"localhost:{port}"})[0] == 200
@@ -403,3 +416,42 @@ def test_https_with_node_0s_certificate_and_a_silent_client_blocks_nobody(tmp_pa
     finally:
         silent.close()
         page.stop()
+
+
+def test_a_client_that_trickles_its_request_is_cut_off(job, monkeypatch):
+    # each byte restarts a socket read's timeout: only a deadline on the whole request helps
+    monkeypatch.setattr(status_http, "REQUEST_DEADLINE", 1.0)
+    slow = [_connect(job.page.port) for _ in range(MAX_PER_CLIENT)]
+    try:
+        for s in slow:
+            s.sendall(b"GET /status.json HTTP/1.0\r\nX-Pad: ")
+        start = time.monotonic()
+        cut = set()
+        while len(cut) < len(slow) and time.monotonic() - start < 8:
+            for i, s in enumerate(slow):
+                if i in cut:
+                    continue
+                try:
+                    s.sendall(b"a")
+                    s.settimeout(0.01)
+                    if s.recv(1) == b"":
+                        cut.add(i)
+                except (socket.timeout, BlockingIOError):
+                    pass
+                except OSError:
+                    cut.add(i)
+            time.sleep(0.1)
+        assert len(cut) == len(slow), f"{len(cut)} of {len(slow)} cut in 8 s"
+        assert time.monotonic() - start < 4
+    finally:
+        for s in slow:
+            s.close()
+    assert job.get("/status.json")[0] == 200  # and the page serves again
+
+
+def test_pages_asked_for_too_fast_get_429(job):
+    codes = [job.get("/status.json")[0] for _ in range(3 * int(status_http.MAX_PER_SECOND))]
+    assert codes.count(200) >= status_http.MAX_PER_SECOND * 0.9, codes
+    assert 429 in codes, codes
+    time.sleep(1.0)
+    assert job.get("/status.json")[0] == 200  # the allowance comes back

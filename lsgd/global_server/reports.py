@@ -152,5 +152,6 @@ def parse_report(report: object, *, index: int, num_groups: int, workers: int,
         steps=_count(report.steps, "steps"), rate=rate,
         workers_training=_count(report.workers_training, "workers_training", workers),
         reattaches=int(report.reattaches), workers=tuple(stats), local_leader=leader,
-        evaluations_from=_count(report.evaluations_from, "evaluations_from"),
+        evaluations_from=_count(report.evaluations_from, "evaluations_from",
+                                MAX_COUNT - len(parsed)),
         evaluations=tuple(parsed))

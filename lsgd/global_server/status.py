@@ -157,11 +157,11 @@ class StatusBoard:
         held_session, held = self._held.get(index, (session, 0))
         if held_session != session:  # the node started again: it numbers from 0
             held = 0
-        start = max(0, held - report.evaluations_from)
-        for e in report.evaluations[start:]:
-            self.evaluations.append((self._next(), t, e.round, e.iteration, e.target, e.metric,
-                                     e.value, e.worker))
-        if report.evaluations:
+        if report.evaluations_from <= held:  # beyond: a gap; the answer asks from ``held``
+            start = held - report.evaluations_from
+            for e in report.evaluations[start:]:
+                self.evaluations.append((self._next(), t, e.round, e.iteration, e.target,
+                                         e.metric, e.value, e.worker))
             held = max(held, report.evaluations_from + len(report.evaluations))
         self._held[index] = (session, held)
         return held

@@ -188,7 +188,9 @@ class Progress:
     def _open_line(self) -> None:
         self._bar = _Line(total=None, file=self.stream, bar_format="{desc}", leave=False,
                          dynamic_ncols=False, ncols=self._columns(), mininterval=0, miniters=1,
-                         desc=f"node {self.cfg.node_index} starting", position=0)
+                         desc=f"node {self.cfg.node_index} starting", position=0,
+                         nrows=self._rows())  # a terminal of 0x0 (docker exec -t, ssh -tt):
+                         # tqdm would take it as no room and draw nothing
         # The node's own log records go around the line: clear it, print, draw it again.
         for handler in logging.getLogger().handlers:
             if isinstance(handler, logging.StreamHandler) and handler.stream is self.stream:
@@ -201,6 +203,13 @@ class Progress:
         except (OSError, AttributeError, ValueError):
             cols = 0
         return max(20, (cols or DEFAULT_COLUMNS) - 1)  # never the last column: no wrap
+
+    def _rows(self) -> int:
+        try:
+            rows = os.get_terminal_size(self.stream.fileno()).lines
+        except (OSError, AttributeError, ValueError):
+            rows = 0
+        return rows if rows > 0 else 24
 
     def _live(self) -> None:
         while not self._stop.wait(LIVE_EVERY):

@@ -148,7 +148,8 @@ class NodeView:
         self._lock = threading.Lock()
         self._workers = {cfg.worker_id(i): WorkerView(cfg.worker_id(i)) for i in range(cfg.workers)}
         self._counter = 0
-        self._counter_rate, self._step_rate = _Rate(), _Rate()
+        self._counter_heard = False  # the first counter heard is a start, not speed (RESUME=1,
+        self._counter_rate, self._step_rate = _Rate(), _Rate()  # a node joining a running job)
         self._round_id = 0
         self._rounds = {"local": 0, "global": 0, "final": 0}
         self._leader: LeaderView | None = None
@@ -212,7 +213,13 @@ class NodeView:
     def on_counter(self, counter: int) -> None:
         """The job's counter, from any answer of the global server."""
         with self._lock:
-            self._counter = max(self._counter, counter)
+            self._heard_counter(counter)
+
+    def _heard_counter(self, counter: int) -> None:
+        if not self._counter_heard:
+            self._counter_heard = True
+            self._counter_rate.samples.clear()
+        self._counter = max(self._counter, counter)
 
     def on_round(self, round_id: int, kind: str, leader: Candidate | None,
                  leader_node: int | None) -> None:
@@ -259,6 +266,7 @@ class NodeView:
         with self._lock:
             self._joined_at = self.clock()
             self._wait = None
+            self._step_rate.samples.clear()  # steps restored by RESUME=1 are not speed
 
     def reattached(self) -> None:
         with self._lock:
@@ -273,7 +281,7 @@ class NodeView:
         global round; it is taken only when rounds opened since this node's newest round (a
         round this node is in may still be closing, with another leader)."""
         with self._lock:
-            self._counter = max(self._counter, counter)
+            self._heard_counter(counter)
             self._beat = {"nodes_alive": nodes_alive, "nodes_missing": tuple(nodes_missing),
                           "job_started": job_started}
             newest = self._leader.round_id if self._leader is not None else 0
@@ -286,7 +294,8 @@ class NodeView:
         now = self.clock()
         with self._lock:
             steps = sum(w.iterations for w in self._workers.values())
-            self._counter_rate.add(now, self._counter)
+            if self._counter_heard:
+                self._counter_rate.add(now, self._counter)
             self._step_rate.add(now, steps)
             rate = self._counter_rate.per_second(now, self._counter)
             snap = Snapshot(

@@ -10,10 +10,11 @@ it listens where the gRPC port does and every endpoint asks for ``status_token(s
 (``Authorization: Bearer <token>``, or ``?token=<token>`` for a browser); with node 0's TLS
 certificate it speaks HTTPS.
 
-It can never slow the training: at most ``MAX_REQUESTS`` requests are served at once (more get
-503 at once), each in a thread of its own with ``TIMEOUT`` s socket timeouts and at most
-``MAX_REQUEST_BYTES`` of request read within ``REQUEST_DEADLINE`` s; only GET and HEAD are
-answered. The coordinator's lock is held only to copy what a page shows: O(nodes + workers)
+It can never slow the training: at most ``MAX_REQUESTS`` requests are served at once
+(``MAX_PER_CLIENT`` from one address; more get 503 at once) and ``MAX_PER_SECOND`` pages a
+second (more get 429), each in a thread of its own with ``TIMEOUT`` s socket timeouts; a
+request of more than ``MAX_REQUEST_BYTES``, or not arrived whole within ``REQUEST_DEADLINE`` s,
+is cut off; only GET and HEAD are answered. The coordinator's lock is held only to copy what a page shows: O(nodes + workers)
 for ``/status.json`` and ``/metrics``, references to immutable rows for ``/history.json``.
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import hmac
+import socket
 import ipaddress
 import json
 import logging
@@ -40,6 +42,8 @@ from . import status_token
 log = logging.getLogger(__name__)
 
 MAX_REQUESTS = 16  # served at once; more are answered 503
+MAX_PER_CLIENT = 8  # of them from one address
+MAX_PER_SECOND = 20.0  # pages served per second (a browser asks 2, `lsgd status` 1); more: 429
 TIMEOUT = 5.0  # seconds any one socket read or write may wait
 MAX_REQUEST_BYTES = 16 * 1024  # request line and headers
 REQUEST_DEADLINE = 10.0  # seconds to send them
@@ -94,11 +98,37 @@ class _Handler(BaseHTTPRequestHandler):
     server: "_Server"
 
     def setup(self) -> None:
+        # A request must have arrived whole within REQUEST_DEADLINE: a client that trickles
+        # its bytes (each read's timeout starts again with every byte) has its socket cut.
+        self.parsed = False
+        self._cut = threading.Timer(REQUEST_DEADLINE, self._cut_if_unread)
+        self._cut.daemon = True
+        self._cut.start()
         self.request.settimeout(TIMEOUT)
         if isinstance(self.request, ssl.SSLSocket):
             self.request.do_handshake()  # here, in this request's thread, never in accept()
         super().setup()
         self.rfile = _Capped(self.rfile, MAX_REQUEST_BYTES, time.monotonic() + REQUEST_DEADLINE)
+
+    def parse_request(self) -> bool:
+        ok = super().parse_request()
+        if self.request_version == "HTTP/0.9":  # a 2-word line (or one cut off): answer in 1.0
+            self.request_version = "HTTP/1.0"
+        if ok and self.rfile.exceeded:
+            self._send(431, _error("request too large or too slow"))
+            return False
+        return ok
+
+    def _cut_if_unread(self) -> None:
+        if not self.parsed:
+            try:
+                self.request.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def finish(self) -> None:
+        self._cut.cancel()
+        super().finish()
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - base signature
         log.debug("%s %s", self.address_string(), format % args)
@@ -124,6 +154,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.write(data)
 
     def _serve(self, body: bool) -> None:
+        self.parsed = True
         app: StatusPage = self.server.app
         if self.rfile.exceeded:
             return self._send(431, _error("request too large or too slow"), body=body)
@@ -141,6 +172,10 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(401, _error("this job's status page needs its token: "
                                           "`python -m lsgd status --url` prints the URL with it"),
                               body=body, headers=(("WWW-Authenticate", "Bearer"),))
+        if not app.pace():
+            return self._send(429, _error(f"more than {MAX_PER_SECOND:g} requests a second; "
+                                          "poll less often"), body=body,
+                              headers=(("Retry-After", "1"),))
         try:
             code, data, ctype = app.page(url.path, query)
         except Exception:  # a bug must not take the page down: 500, and one log line
@@ -160,6 +195,8 @@ class _Server(ThreadingHTTPServer):
                  tls: ssl.SSLContext | None) -> None:
         self.app = app
         self.slots = threading.BoundedSemaphore(MAX_REQUESTS)
+        self.per_client: dict[str, int] = {}  # requests in progress by client address
+        self.lock = threading.Lock()
         self.busy = 0  # requests turned away with 503
         super().__init__(address, _Handler)
         if tls is not None:  # the handshake happens in the request's thread (_Handler.setup)
@@ -170,8 +207,24 @@ class _Server(ThreadingHTTPServer):
         TCPServer.server_bind(self)  # without HTTPServer's reverse DNS lookup of the host
         self.server_name, self.server_port = self.server_address[:2]
 
+    def _admit(self, client: str) -> bool:
+        with self.lock:
+            if self.per_client.get(client, 0) >= MAX_PER_CLIENT:
+                return False
+            if not self.slots.acquire(blocking=False):
+                return False
+            self.per_client[client] = self.per_client.get(client, 0) + 1
+            return True
+
+    def _leave(self, client: str) -> None:
+        with self.lock:
+            left = self.per_client.pop(client, 1) - 1
+            if left > 0:
+                self.per_client[client] = left
+            self.slots.release()
+
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        if not self._admit(client_address[0]):
             self.busy += 1
             if not isinstance(request, ssl.SSLSocket):  # TLS would need a handshake first
                 try:
@@ -184,14 +237,14 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.slots.release()
+            self._leave(client_address[0])
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self._leave(client_address[0])
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         log.debug("status page: request from %s failed", client_address, exc_info=True)
@@ -208,6 +261,8 @@ class StatusPage:
         self.token = token.encode() if token else None
         self._registry, self._render, self._prom_type = make_registry(servicer), render, CONTENT_TYPE_LATEST
         self._failures = 0
+        self._allowance, self._paced_at = MAX_PER_SECOND, time.monotonic()  # a token bucket
+        self._pace_lock = threading.Lock()
         context = None
         if tls is not None:
             context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
@@ -235,6 +290,19 @@ class StatusPage:
             given = tokens[0]
         return given is not None and hmac.compare_digest(given.encode("utf-8", "replace"),
                                                          self.token)
+
+    def pace(self) -> bool:
+        """False when pages are asked for faster than ``MAX_PER_SECOND`` (bursts of as many):
+        readers hammering /history.json must not take the server's CPU from the job."""
+        with self._pace_lock:
+            now = time.monotonic()
+            self._allowance = min(MAX_PER_SECOND,
+                                  self._allowance + (now - self._paced_at) * MAX_PER_SECOND)
+            self._paced_at = now
+            if self._allowance < 1.0:
+                return False
+            self._allowance -= 1.0
+            return True
 
     def host_allowed(self, host: str | None) -> bool:
         """Without a token, only a request addressed to an IP address or ``localhost``: a web
