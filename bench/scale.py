@@ -415,6 +415,11 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
                 client_errors.append(f"client process {k} still running after {sc.limit_s:g} s: stopped")
                 c.send_signal(signal.SIGTERM)  # it stops its nodes and writes what it has
                 _wait(c, 5.0)
+        if poller is not None:  # the job is over: its page goes away with the server
+            clients_done = time.monotonic()
+            poller.halt.set()
+            poller.join(10)
+            client_errors += poller.errors_before(clients_done)
         # Every node has left: the server writes its summary and exits by itself.
         server_rc = _wait(server, 10.0)
         if server_rc is None:
@@ -423,10 +428,6 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
             server_rc = _wait(server, 5.0)
         sampler.halt.set()
         sampler.join()
-        if poller is not None:
-            poller.halt.set()
-            poller.join(10)
-            client_errors += poller.errors[:5]
         summary_path = run_dir / "global" / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         nodes: list[dict[str, Any]] = []
