@@ -19,12 +19,14 @@ import argparse
 import csv
 import io
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .local_server.metrics import cell_float as _num
+from .local_server.metrics import cell_int as _int
 
 INSTALL = "pip install 'lsgd[plot]'"
 DISTANCES = (("pull_global", "global leader", "-"), ("pull_center", "center", "-"),
@@ -265,19 +267,8 @@ def save(fig: Any, out: Path) -> None:
     fig.savefig(out, format="png")
 
 
-def _num(v: Any) -> float | None:
-    if v is None or v == "":
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
 
 
-def _int(v: Any) -> int | None:
-    f = _num(v)
-    return int(f) if f is not None else None
 
 
 def add_parser(sub: Any) -> None:

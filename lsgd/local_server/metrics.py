@@ -89,6 +89,24 @@ class MetricsWriter:
             self._tmp.unlink(missing_ok=True)
 
 
+def cell_float(v: object) -> float | None:
+    """A finite float from a metrics cell or row value (None, '', booleans, non-numbers and
+    non-finite values: None)."""
+    if v is None or v == "" or isinstance(v, bool):
+        return None
+    try:
+        f = float(v)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return f if math.isfinite(f) else None
+
+
+def cell_int(v: object) -> int | None:
+    """``cell_float`` as a whole number."""
+    f = cell_float(v)
+    return int(f) if f is not None else None
+
+
 def _fmt(v: object) -> object:
     if v is None:
         return ""

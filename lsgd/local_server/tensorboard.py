@@ -17,12 +17,13 @@ is, and the writer's thread (``lsgd/tensorboard.py``) turns it into scalars unde
 from __future__ import annotations
 
 import logging
-import math
-from typing import Any, Iterator
+from typing import Iterator
 
 from ..config import JobConfig
 from ..tensorboard import EventWriter, Scalar, board_dir
 from .metrics import MetricsWriter
+from .metrics import cell_float as _num
+from .metrics import cell_int as _int
 
 log = logging.getLogger(__name__)
 
@@ -98,20 +99,8 @@ def attach(config: JobConfig, metrics: MetricsWriter) -> EventWriter | None:
     return writer
 
 
-def _num(v: Any) -> float | None:
-    """A finite float from a row's value (None, '' and non-numbers: None)."""
-    if v is None or v == "" or isinstance(v, bool):
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
 
 
-def _int(v: Any) -> int | None:
-    f = _num(v)
-    return int(f) if f is not None else None
 
 
 __all__ = ["RowScalars", "attach"]
