@@ -455,3 +455,34 @@ def test_pages_asked_for_too_fast_get_429(job):
     assert 429 in codes, codes
     time.sleep(1.0)
     assert job.get("/status.json")[0] == 200  # the allowance comes back
+
+
+def test_lsgd_status_reads_the_real_page_with_the_secret(secret_job, tmp_path, capsys,
+                                                          monkeypatch):
+    """`python -m lsgd status` against this server's page: found through RUN_DIR, the token
+    derived from the secret, the nodes and workers the heartbeats reported in its tables."""
+    from lsgd.cli import main
+
+    c0, c1 = secret_job.node(0), secret_job.node(1)
+    secret_job.beat(c0, node_report(0))
+    secret_job.beat(c1, node_report(1))
+    secret = tmp_path / "secret"
+    secret.write_text(SECRET)
+    monkeypatch.delenv("LSGD_SECRET", raising=False)
+    monkeypatch.delenv("SECRET_FILE", raising=False)
+    monkeypatch.delenv("TLS_CA", raising=False)
+    assert main(["status", "--run-dir", str(tmp_path)]) == 1  # no secret: refused, one line
+    out, err = capsys.readouterr()
+    assert "secret" in (out + err) and len((out + err).strip().splitlines()) == 1, out + err
+    assert main(["status", "--run-dir", str(tmp_path), "--secret-file", str(secret)]) == 0
+    out = capsys.readouterr().out
+    assert f"job {JOB} (lsgd)" in out
+    nodes = out.split("\nnodes\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert [row.split()[:2] for row in nodes] == [["0", "yes"], ["1", "yes"]], out
+    workers = out.split("\nworkers\n", 1)[1].split("\n\n", 1)[0].splitlines()[1:]
+    assert [row.split()[:2] for row in workers] == [["0", "0"], ["1", "0"], ["2", "1"], ["3", "1"]], out
+    assert main(["status", "--run-dir", str(tmp_path), "--secret-file", str(secret), "--url"]) == 0
+    url = capsys.readouterr().out.strip()
+    assert url == f"{secret_job.url}/?token={secret_job.token}"
+    code, _, _ = secret_job.get(url[len(secret_job.url):], token=None)  # the URL works as given
+    assert code == 200
