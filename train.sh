@@ -19,13 +19,16 @@ port="${PORT:-50051}"               # global server port (0 on node 0: any free 
 num_groups="${NUM_GROUPS:-1}"       # number of nodes
 workers="${WORKERS:-2}"             # worker processes per node
 # --- the rule ------------------------------------------------------------------------------
-algorithm="${ALGORITHM:-lsgd}"      # lsgd | easgd
+algorithm="${ALGORITHM:-lsgd}"      # lsgd | easgd | average | diloco, or path/to/rule.py:Class
+rule_args="${RULE_ARGS:-}"          # your rule's own arguments: name=value,name=value
 c1="${C1:-0.1}"                     # LSGD pull toward the local (node) leader, in [0, 1]
 c2="${C2:-0.1}"                     # LSGD pull toward the global leader, in [0, 1]
 p1="${P1:-0}"                       # LSGD per-step proximal pulls (reference code, not the
 p2="${P2:-0}"                       #   paper; off by default)
 alpha="${ALPHA:-0.1}"               # EASGD moving rate toward the center, in [0, 1]
 beta="${BETA:-}"                    # EASGD center moving rate (empty: alpha * participants)
+outer_lr="${OUTER_LR:-0.7}"         # DiLoCo outer learning rate (Nesterov SGD on the server)
+outer_momentum="${OUTER_MOMENTUM:-0.9}"  # DiLoCo outer momentum
 l_comm="${L_COMM:-16}"              # local round every l_comm iterations per worker
 g_comm="${G_COMM:-64}"              # global round every g_comm iterations per worker
 avg_size="${AVG_SIZE:-}"            # losses averaged to elect leaders (empty: l_comm / 2)
@@ -73,8 +76,9 @@ PYTHON="${PYTHON:-python3}"
 
 exec "$PYTHON" -m lsgd train \
     --node-index "$1" --ip-addr "$ip_addr" --port "$port" --num-groups "$num_groups" \
-    --workers "$workers" --algorithm "$algorithm" --c1 "$c1" --c2 "$c2" --p1 "$p1" --p2 "$p2" \
-    --alpha "$alpha" --beta "$beta" --l-comm "$l_comm" --g-comm "$g_comm" --avg-size "$avg_size" \
+    --workers "$workers" --algorithm "$algorithm" --rule-args "$rule_args" \
+    --c1 "$c1" --c2 "$c2" --p1 "$p1" --p2 "$p2" --alpha "$alpha" --beta "$beta" \
+    --outer-lr "$outer_lr" --outer-momentum "$outer_momentum" --l-comm "$l_comm" --g-comm "$g_comm" --avg-size "$avg_size" \
     --entry "$entry" --eval-every "$eval_every" --shard "$shard" \
     --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
     --iterations "$iterations" --minutes "$minutes" --seed "$seed" --run-dir "$run_dir" \

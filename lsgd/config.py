@@ -15,7 +15,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from .rules import EASGD, LSGD, RULES, Rule
+from .rules import EASGD, RULES, Rule
+from .rules.base import RuleError
+from .rules.loader import load_rule, parse_args
 
 
 class ConfigError(ValueError):
@@ -35,13 +37,17 @@ class JobConfig:
     port: int = _f(50051, "global server port (0: any free port, written to RUN_DIR/global.port)")
     num_groups: int = _f(1, "number of nodes in the job")
     workers: int = _f(2, "worker processes per node")
-    algorithm: str = _f("lsgd", "training rule: lsgd | easgd")
+    algorithm: str = _f("lsgd", "training rule: lsgd | easgd, or your own: path/to/rule.py:Class "
+                        "or package.module:Class (docs/rules.md)")
+    rule_args: str = _f("", "the rule's own arguments, name=value,name=value (see its docs)")
     c1: float = _f(0.1, "LSGD pulling strength toward the local (node) leader, in [0, 1]")
     c2: float = _f(0.1, "LSGD pulling strength toward the global leader, in [0, 1]")
     p1: float = _f(0.0, "LSGD per-step proximal pull toward the last local leader (reference code, not the paper)")
     p2: float = _f(0.0, "LSGD per-step proximal pull toward the last global leader (reference code, not the paper)")
     alpha: float = _f(0.1, "EASGD moving rate of the workers toward the center, in [0, 1]")
     beta: float | None = _f(None, "EASGD moving rate of the center (default alpha * participants)")
+    outer_lr: float = _f(0.7, "DiLoCo outer learning rate (Nesterov SGD on the server)")
+    outer_momentum: float = _f(0.9, "DiLoCo outer momentum, in [0, 1)")
     l_comm: int = _f(16, "local round period, in iterations per worker")
     g_comm: int = _f(64, "global round period, in iterations per worker (a multiple of l_comm)")
     avg_size: int | None = _f(None, "losses averaged for leader election: a worker's last avg_size "
@@ -102,8 +108,13 @@ class JobConfig:
             if not ok:
                 raise ConfigError(msg)
 
-        need(self.algorithm in RULES,
-             f"algorithm '{self.algorithm}' is unknown; choose one of: {', '.join(sorted(RULES))}")
+        try:
+            self.make_rule()
+        except RuleError as exc:
+            raise ConfigError(str(exc)) from None
+        except Exception as exc:  # a rule's own check of its arguments
+            raise ConfigError(f"algorithm '{self.algorithm}' with rule_args '{self.rule_args}': "
+                              f"{type(exc).__name__}: {exc}") from None
         need(self.num_groups >= 1, f"num_groups must be >= 1, got {self.num_groups}")
         need(0 <= self.node_index < self.num_groups,
              f"node index {self.node_index} is out of range for num_groups={self.num_groups}; "
@@ -216,10 +227,9 @@ class JobConfig:
         return self.node_index * self.workers + local_index
 
     def make_rule(self) -> Rule:
-        """Instantiate the configured training rule."""
-        if self.algorithm == LSGD.name:
-            return LSGD(self.c1, self.c2, self.p1, self.p2, self.l_comm, self.g_comm)
-        return EASGD(self.alpha, self.beta)
+        """Instantiate the configured training rule (``algorithm`` and ``rule_args``)."""
+        cls = load_rule(self.algorithm, RULES)
+        return cls.from_config(self, **parse_args(cls, self.rule_args))
 
     def replace(self, **changes: Any) -> "JobConfig":
         return dataclasses.replace(self, **changes)

@@ -61,7 +61,7 @@ def test_easgd_round_closed_form():
     ops.sum_into_(total, workers)
     for w in workers:
         ops.pull_toward_(w, center, rule.alpha)  # toward the center from before the update
-    rule.update_center_(center, total, 2)  # beta = alpha * 2 = 0.5
+    rule.update_(center, total, 2.0, 2, {})  # beta = alpha * 2 = 0.5
     np.testing.assert_array_equal(workers[0], [1.5, 10.0])
     np.testing.assert_array_equal(workers[1], [3.0, 7.0])
     np.testing.assert_array_equal(center, [1.5, 9.0])

@@ -56,7 +56,7 @@ def test_a_hanging_leader_upload_does_not_stop_state_saves(tmp_path):
         store.begin(1, RoundKind.GLOBAL, 0, {0: 1, 1: 1}, timeout=5.0, average=True)
         nodes[0].push("global_leader", np.full(N, 5.0, np.float32), round_id=1)
         _both_push_sums(nodes, 1, 2.0)
-        store.rule.update_center_(center, np.full(N, 4.0, np.float32), 2)
+        store.rule.update_(center, np.full(N, 4.0, np.float32), 2.0, 2, {})
         _save(servicer, state_file, params_file, None)
         first = _saved(params_file)
         np.testing.assert_array_equal(first["center"], center)
@@ -84,7 +84,7 @@ def test_a_hanging_leader_upload_does_not_stop_state_saves(tmp_path):
         # round 3 (a plain EASGD round): the center moves on while the upload still hangs
         store.begin(3, RoundKind.GLOBAL, None, {0: 1, 1: 1}, timeout=5.0)
         _both_push_sums(nodes, 3, 7.0)
-        store.rule.update_center_(center, np.full(N, 14.0, np.float32), 2)
+        store.rule.update_(center, np.full(N, 14.0, np.float32), 2.0, 2, {})
         assert store.writing and not hanging.done()
         t0 = time.monotonic()
         _save(servicer, state_file, params_file, None)

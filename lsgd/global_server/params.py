@@ -21,7 +21,7 @@ import numpy as np
 
 from ..wire import aligned_empty, steady_heap, wire_dtype
 from ..rules import ops
-from ..rules.base import RoundKind, Rule, Exchange as ExchangeKind
+from ..rules.base import MAX_WEIGHT, MIN_WEIGHT, RoundKind, Rule, Exchange as ExchangeKind
 from .buffers import AVERAGE, CENTER, HELD, LEADER, SUM, ParamError, _size, available_memory
 from .saves import SavedParams
 
@@ -37,6 +37,7 @@ class Exchange:
     in_flight: set[tuple[int, str]] = field(default_factory=set)  # uploads being received
     leader_ok: bool = False
     summands: int = 0
+    weight: float = 0.0  # of the summands (their count, for an unweighted rule)
     participants: dict[int, int] = field(default_factory=dict)  # node -> reported in the round
     average: bool = False  # the sums make an average (final and evaluation rounds)
     sums_ok: bool = True
@@ -52,6 +53,7 @@ class ParamStore(SavedParams):
         self.clock = clock
         self.param_count: int | None = None
         self.buffers: dict[str, np.ndarray] = {}
+        self.state: dict[str, np.ndarray] = {}  # the rule's ``server_state`` vectors
         self.center_ready = False
         self._seeding = False
         self.exchange: Exchange | None = None
@@ -73,11 +75,12 @@ class ParamStore(SavedParams):
                              f"this node's model has {count} parameters but the job's has "
                              f"{self.param_count}; every node must run the same model")
         if self.param_count is None:
-            needed, free = len(HELD) * 4 * count, self.memory()
+            vectors = len(HELD) + len(self.rule.server_state)
+            needed, free = vectors * 4 * count, self.memory()
             if free is not None and needed > free:
                 raise ParamError("RESOURCE_EXHAUSTED",
                                  f"a model of {count} parameters needs {_size(needed)} of memory "
-                                 f"on the global server (node 0) for its {len(HELD)} buffers; "
+                                 f"on the global server (node 0) for its {vectors} buffers; "
                                  f"{_size(free)} is available")
 
     def reserve(self, count: int) -> dict[str, np.ndarray] | None:
@@ -88,7 +91,8 @@ class ParamStore(SavedParams):
             if self.param_count is not None:
                 return None
         try:
-            return {name: np.zeros(count, dtype=np.float32) for name in HELD}
+            return {name: np.zeros(count, dtype=np.float32)
+                    for name in HELD + tuple(f"state.{n}" for n in self.rule.server_state)}
         except MemoryError:
             raise ParamError("RESOURCE_EXHAUSTED", f"cannot allocate the buffers of a model of "
                              f"{count} parameters on the global server") from None
@@ -99,6 +103,7 @@ class ParamStore(SavedParams):
             if buffers is None or self.param_count is not None:
                 return
             self.buffers.update(buffers)
+            self.state = {n: self.buffers[f"state.{n}"] for n in self.rule.server_state}
             self.param_count = count
 
     def set_param_count(self, count: int) -> None:
@@ -146,11 +151,17 @@ class ParamStore(SavedParams):
             log.warning("round %d exchange incomplete: %s", ex.round_id, "; ".join(ex.failed))
         ex.settled = True
         if ex.sums_ok and ex.summands > 0:
+            if ex.average:  # SUM holds the (weighted) average from now on
+                ops.scale_(self.buffers[SUM], 1.0 / ex.weight)
             if ex.kind == RoundKind.GLOBAL and self.rule.exchange == ExchangeKind.CENTER:
-                self.rule.update_center_(self.buffers[CENTER], self.buffers[SUM], ex.summands)
+                total, weight = (self.buffers[SUM], 1.0) if ex.average else (self.buffers[SUM], ex.weight)
+                try:
+                    self.rule.update_(self.buffers[CENTER], total, weight, ex.summands, self.state)
+                except Exception as exc:  # a rule's bug must not take the server down
+                    log.exception("round %d: the rule's update_ failed; the center is kept",
+                                  ex.round_id)
+                    ex.failed.append(f"the rule's update failed: {exc}")
                 self.versions[CENTER] += 2
-            if ex.average:
-                ops.scale_(self.buffers[SUM], 1.0 / ex.summands)  # SUM now holds the average
         self._cond.notify_all()
 
     def abort(self, why: str) -> None:
@@ -169,7 +180,8 @@ class ParamStore(SavedParams):
 
     # ------------------------------------------------------------------ uploads
     def push(self, node: int, round_id: int, buffer: str, param_count: int, summands: int,
-             chunks: Iterable[tuple[int, bytes]], wire: str = "float32") -> None:
+             chunks: Iterable[tuple[int, bytes]], wire: str = "float32",
+             weight: float = 0.0) -> None:
         """Receive an upload of ``buffer`` from ``node``; ``chunks`` yields (offset, raw bytes).
 
         ``wire`` is the chunks' encoding (``lsgd.wire.WIRE_FORMATS``); offsets count elements.
@@ -199,6 +211,11 @@ class ParamStore(SavedParams):
                 if buffer == SUM and not 1 <= summands <= most:
                     raise ParamError("INVALID_ARGUMENT", f"summands must be in 1..{most} (node "
                                      f"{node}'s participants in round {round_id}), got {summands}")
+                weight = weight or float(summands)  # 0: unweighted
+                if buffer == SUM and not (summands * MIN_WEIGHT <= weight <= summands * MAX_WEIGHT):
+                    raise ParamError("INVALID_ARGUMENT", f"the weight of {summands} summands must "
+                                     f"be in [{summands * MIN_WEIGHT:g}, "
+                                     f"{summands * MAX_WEIGHT:g}], got {weight}")
                 # Taken: a retry cannot add twice, and the round cannot settle mid-upload.
                 ex.expected.discard((node, buffer))
                 ex.in_flight.add((node, buffer))
@@ -234,6 +251,7 @@ class ParamStore(SavedParams):
                 ex.in_flight.discard((node, buffer))
                 if buffer == SUM:
                     ex.summands += summands
+                    ex.weight += weight
                 else:
                     ex.leader_ok = True
                 self._maybe_settle()

@@ -327,7 +327,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
 
         try:
             self.params.push(h.node.node_index, h.round_id, buffer, h.param_count, h.summands,
-                             chunks(), wire=wire)
+                             chunks(), wire=wire, weight=h.weight)
         except ParamError as exc:
             _abort(context, exc)
         finally:

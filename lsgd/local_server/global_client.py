@@ -203,7 +203,7 @@ class GlobalClient:
     # an upload copies each slice of shared memory once, into the message; a download copies
     # each message's payload once, into ``out``. No protobuf objects, no full-size buffers.
     def push(self, buffer: str, vec: np.ndarray, round_id: int, summands: int = 0,
-             wire: str = "float32") -> None:
+             wire: str = "float32", weight: float = 0.0) -> None:
         """Upload ``vec`` (a flat float32 view) as the node's ``buffer`` for ``round_id``.
 
         ``wire="bfloat16"`` sends half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
@@ -214,7 +214,7 @@ class GlobalClient:
             raise ValueError(f"push needs a flat vector, got shape {vec.shape}")
         header = pb.PushHeader(node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer],
                                param_count=vec.size, summands=summands,
-                               wire_format=WIRE_FORMATS[wire])
+                               wire_format=WIRE_FORMATS[wire], weight=weight)
         stage = None if dtype == vec.dtype else aligned_empty(min(CHUNK, vec.size), dtype)
 
         def requests() -> Iterator[bytes]:

@@ -75,6 +75,7 @@ class Join:
     iterations: int  # the worker's own step count so far
     healthy: bool = True  # its recent losses and its parameters are all finite
     life: int = 0  # which process of the worker sent it (see the module doc)
+    scalars: dict[str, float] = field(default_factory=dict)  # the rule's scalars (Rule.scalars)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ import numpy as np
 
 from ..leader import Candidate, elect
 from ..rules import ops
-from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind, RoundRoles
+from ..rules.base import (CENTER, GLOBAL_LEADER, LOCAL_LEADER, MAX_WEIGHT, MIN_WEIGHT, SUM,
+                          Contribution, Exchange, RoundKind, RoundRoles)
 from . import checkpoint
 from . import messages as m
 from .global_client import RPC_TIMEOUT, CreditAnswer
@@ -69,8 +70,8 @@ class RoundMixin:
         if kind == RoundKind.FINAL:
             return self._final_round(rid, ans.round_iteration, joins, best, local_of)
         center = self.rule.exchange == Exchange.CENTER and kind == RoundKind.GLOBAL
-        if center and joins:
-            self._sum_slots(joins)
+        after = center and self.rule.pull_after_exchange  # pulls toward this round's center
+        weight = self._sum_slots(joins, weighted=True) if center and joins else 0.0
         answer = self._report(rid, best, len(joins))
         exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
         self.view.on_round(rid, kind.name.lower(), answer.leader if exchanged else None,
@@ -97,21 +98,26 @@ class RoundMixin:
             self._sum_slots(joins)
         averaged = self._average_stats(joins)
         self.pulled_round = rid
+        fresh_center = False
+        if after and exchanged and joins:  # the new center first: the pulls go toward it
+            if self._push(SUM, SUM, rid, summands=len(joins), weight=weight) and self._free(CENTER, rid):
+                fresh_center = self._pull(CENTER, CENTER, rid)
         for i in joins:
             roles = RoundRoles(self.workers[i].worker_id, local_lead, global_leader,
                                self.multi_node)
             pulls = tuple(self.rule.pulls(kind, roles))
+            if after and not fresh_center:  # no new center this round: nothing to pull toward
+                pulls = tuple(p for p in pulls if p[0] != CENTER)
             self.workers[i].reading = frozenset(name for name, _ in pulls)
             self._send(self.workers[i], m.Pull(rid, pulls, True, averaged, checkpoint=ckpt))
         resets = self._reset_sick(rid, kind, sick, local_lead is not None)
         if upload:
             self._push(source, GLOBAL_LEADER, rid)
-        if (center or evaluate) and joins and exchanged:
-            self._push(SUM, SUM, rid, summands=len(joins))
+        if (center or evaluate) and not after and joins and exchanged:
+            self._push(SUM, SUM, rid, summands=len(joins), weight=weight)
         dones = self._collect_dones(rid, set(joins) | set(sick))
-        fresh_center = False
-        if center and exchanged and self._free(CENTER, rid):  # this round's and earlier pulls
-            fresh_center = self._pull(CENTER, CENTER, rid)
+        if center and not after and exchanged and self._free(CENTER, rid):  # after the pulls
+            fresh_center = self._pull(CENTER, CENTER, rid)  # toward the old one (EASGD)
         if ckpt:
             with self.liveness.blocking(SAVE_LIMIT):
                 checkpoint.save(self.dir, self.store, rid, ans.round_iteration,
@@ -150,10 +156,24 @@ class RoundMixin:
         return (f"built a model of {hello.param_count} values ({hello.stats_count} statistics); "
                 f"the node's has {self.store.layout.param_count} ({self.stats_count})")
 
-    def _sum_slots(self, joins: dict[int, m.Join]) -> None:
-        """The node's sum buffer := the sum of the participants' slots."""
+    def _sum_slots(self, joins: dict[int, m.Join], weighted: bool = False) -> float:
+        """The node's sum buffer := the sum of the participants' slots, each times its
+        ``Rule.weight`` when ``weighted``. Returns the sum of the weights."""
         assert self.store is not None
-        ops.sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins])
+        weights = [self._weight(i, j) if weighted else 1.0 for i, j in joins.items()]
+        ops.weighted_sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins], weights)
+        return float(sum(weights))
+
+    def _weight(self, i: int, join: m.Join) -> float:
+        """A participant's weight, as the rule says; a weight out of [1e-6, 1e6] is clipped
+        (logged once)."""
+        c = Contribution(self.workers[i].worker_id, join.loss, dict(join.scalars))
+        w = float(self.rule.weight(c))
+        if not (MIN_WEIGHT <= w <= MAX_WEIGHT):  # NaN too
+            self.repeats.warning("weight", "rule %s gave worker %d the weight %r, outside "
+                                 "[1e-6, 1e6]; clipped", self.rule.name, c.worker_id, w)
+            w = MIN_WEIGHT if not w > MIN_WEIGHT else MAX_WEIGHT
+        return w
 
     def _average_stats(self, joins: dict[int, m.Join]) -> bool:
         """Set every participant's statistics (the slot's tail) to their mean over ``joins``."""
@@ -238,11 +258,13 @@ class RoundMixin:
                                  "round %d: this node reported too late; skipping its exchange", rid)
         return answer
 
-    def _push(self, name: str, kind: str, rid: int, summands: int = 0) -> bool:
+    def _push(self, name: str, kind: str, rid: int, summands: int = 0,
+              weight: float = 0.0) -> bool:
         assert self.store is not None
         try:
             with self._network_call():
-                self.client.push(kind, self.store.buffer(name), rid, summands, wire=self.cfg.wire)
+                self.client.push(kind, self.store.buffer(name), rid, summands, wire=self.cfg.wire,
+                                 weight=weight)
             return True
         except grpc.RpcError as exc:
             log.warning("round %d: upload of %s failed: %s", rid, kind, exc.details())

@@ -273,20 +273,22 @@ class ReportRoundResponse(_message.Message):
     def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., stopped: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
-    __slots__ = ("node", "round_id", "buffer", "param_count", "summands", "wire_format")
+    __slots__ = ("node", "round_id", "buffer", "param_count", "summands", "wire_format", "weight")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BUFFER_FIELD_NUMBER: _ClassVar[int]
     PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
     SUMMANDS_FIELD_NUMBER: _ClassVar[int]
     WIRE_FORMAT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     round_id: int
     buffer: BufferKind
     param_count: int
     summands: int
     wire_format: WireFormat
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., param_count: _Optional[int] = ..., summands: _Optional[int] = ..., wire_format: _Optional[_Union[WireFormat, str]] = ...) -> None: ...
+    weight: float
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., buffer: _Optional[_Union[BufferKind, str]] = ..., param_count: _Optional[int] = ..., summands: _Optional[int] = ..., wire_format: _Optional[_Union[WireFormat, str]] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class PushParamsRequest(_message.Message):
     __slots__ = ("header", "chunk")

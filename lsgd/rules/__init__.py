@@ -1,11 +1,18 @@
-"""Training rules (LSGD, EASGD) and the numpy kernels they run on flat float32 vectors."""
+"""Training rules and the numpy kernels they run on flat float32 vectors.
+
+The public Rule API is ``lsgd.rules.base`` (re-exported here); ``docs/rules.md`` explains it.
+"""
 
 from __future__ import annotations
 
-from .base import Exchange, RoundKind, RoundRoles, Rule
+from .base import (CENTER, GLOBAL_LEADER, LOCAL_LEADER, Contribution, Exchange, RoundKind,
+                   RoundRoles, Rule, RuleError)
+from .average import Average
+from .diloco import DiLoCo
 from .easgd import EASGD
 from .lsgd import LSGD
 
-RULES: dict[str, type[Rule]] = {LSGD.name: LSGD, EASGD.name: EASGD}
+RULES: dict[str, type[Rule]] = {r.name: r for r in (LSGD, EASGD, Average, DiLoCo)}
 
-__all__ = ["EASGD", "LSGD", "RULES", "Exchange", "RoundKind", "RoundRoles", "Rule"]
+__all__ = ["Average", "CENTER", "DiLoCo", "EASGD", "GLOBAL_LEADER", "LOCAL_LEADER", "LSGD", "RULES", "Contribution",
+           "Exchange", "RoundKind", "RoundRoles", "Rule", "RuleError"]

@@ -8,9 +8,11 @@ values from before their pull: ``center <- center + beta (mean - center)``, with
 
 from __future__ import annotations
 
+from typing import Mapping
+
 import numpy as np
 
-from .base import CENTER, GLOBAL_LEADER, SUM, Exchange, RoundKind, RoundRoles, Rule
+from .base import CENTER, Exchange, RoundKind, RoundRoles, Rule
 from .ops import elastic_center_
 
 
@@ -23,10 +25,6 @@ class EASGD(Rule):
     def __init__(self, alpha: float = 0.1, beta: float | None = None) -> None:
         self.alpha, self.beta = alpha, beta
 
-    @property
-    def node_buffers(self) -> tuple[str, ...]:
-        return (CENTER, GLOBAL_LEADER, SUM)
-
     def pulls(self, kind: RoundKind, roles: RoundRoles) -> list[tuple[str, float]]:
         return [(CENTER, self.alpha)] if kind == RoundKind.GLOBAL else []
 
@@ -34,5 +32,10 @@ class EASGD(Rule):
         """The center's moving rate for a round with ``count`` participants."""
         return self.beta if self.beta is not None else self.alpha * count
 
-    def update_center_(self, center: np.ndarray, total: np.ndarray, count: int) -> None:
-        elastic_center_(center, total, count, self.beta_for(count))
+    @classmethod
+    def from_config(cls, config, **args) -> "EASGD":
+        return cls(config.alpha, config.beta, **args)
+
+    def update_(self, center: np.ndarray, total: np.ndarray, weight: float, count: int,
+                state: Mapping[str, np.ndarray]) -> None:
+        elastic_center_(center, total, weight, self.beta_for(count))

@@ -22,6 +22,10 @@ class LSGD(Rule):
         self.c1, self.c2, self.p1, self.p2 = c1, c2, p1, p2
         self.l_comm, self.g_comm = l_comm, g_comm
 
+    @classmethod
+    def from_config(cls, config, **args) -> "LSGD":
+        return cls(config.c1, config.c2, config.p1, config.p2, config.l_comm, config.g_comm, **args)
+
     @property
     def node_buffers(self) -> tuple[str, ...]:
         return (LOCAL_LEADER, GLOBAL_LEADER, SUM)

@@ -42,7 +42,9 @@ def pull_toward_(x: np.ndarray, target: np.ndarray, strength: float, chunk: int 
         d = scratch[: hi - lo]
         np.subtract(x[lo:hi], target[lo:hi], out=d)  # d = x - target
         sq += float(np.dot(d, d))
-        if s:
+        if s == 1:  # replace: exactly the target, not x - (x - target) rounded
+            x[lo:hi] = target[lo:hi]
+        elif s:
             d *= s
             np.subtract(x[lo:hi], d, out=x[lo:hi])
     return math.sqrt(sq)
@@ -70,6 +72,36 @@ def sum_into_(out: np.ndarray, vectors: list[np.ndarray], chunk: int = CHUNK) ->
             o += v[lo:hi]
 
 
+def weighted_sum_into_(out: np.ndarray, vectors: list[np.ndarray], weights: list[float],
+                       chunk: int = CHUNK) -> None:
+    """Write ``sum_i weights[i] * vectors[i]`` into ``out`` (no full-size temporaries)."""
+    if not vectors or len(vectors) != len(weights):
+        raise ValueError("weighted_sum_into_ needs one weight per vector, and a vector")
+    if all(w == 1.0 for w in weights):
+        return sum_into_(out, vectors, chunk)
+    for v in vectors:
+        _check(out, v)
+    ws = [np.float32(w) for w in weights]
+    scratch = np.empty(min(chunk, out.size), dtype=out.dtype)
+    for lo in range(0, out.size, chunk):
+        hi = min(lo + chunk, out.size)
+        o, t = out[lo:hi], scratch[: hi - lo]
+        np.multiply(vectors[0][lo:hi], ws[0], out=o)
+        for v, w in zip(vectors[1:], ws[1:]):
+            np.multiply(v[lo:hi], w, out=t)
+            o += t
+
+
+def mean_into_(out: np.ndarray, total: np.ndarray, weight: float, chunk: int = CHUNK) -> None:
+    """``out <- total / weight`` slice by slice (``out`` may be ``total``)."""
+    _check(out, total)
+    if not weight > 0:
+        raise ValueError(f"mean_into_ needs a positive weight, got {weight}")
+    inv = np.float32(1.0 / weight)
+    for lo in range(0, out.size, chunk):
+        np.multiply(total[lo : lo + chunk], inv, out=out[lo : lo + chunk])
+
+
 def scale_(x: np.ndarray, factor: float, chunk: int = CHUNK) -> None:
     """Multiply ``x`` by ``factor`` in place."""
     f = np.float32(factor)
@@ -77,18 +109,18 @@ def scale_(x: np.ndarray, factor: float, chunk: int = CHUNK) -> None:
         x[lo : lo + chunk] *= f
 
 
-def elastic_center_(center: np.ndarray, total: np.ndarray, count: int, beta: float,
+def elastic_center_(center: np.ndarray, total: np.ndarray, count: float, beta: float,
                     chunk: int = CHUNK) -> None:
     """EASGD center move in place: ``center <- center + beta * (total / count - center)``.
 
     Args:
         center: the center variable, modified in place.
         total: sum of the participants' parameter vectors (values from before their pull).
-        count: number of vectors summed in ``total``.
+        count: number of vectors summed in ``total`` (their total weight, for a weighted sum).
         beta: moving rate in [0, 1].
     """
     _check(center, total)
-    if count < 1:
+    if not count > 0:
         raise ValueError("elastic_center_ needs at least one participant")
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")

@@ -1,0 +1,121 @@
+"""A test kit for rule authors: run a rule on in-memory arrays, with no processes.
+
+``RoundDriver`` plays the local servers and the global server of ``docs/architecture.md`` for
+one round at a time, in the same order (elect, sum, update, pull), on plain float32 vectors::
+
+    from lsgd.rules.testkit import RoundDriver
+    d = RoundDriver(MyRule(), [[w0, w1], [w2, w3]])   # 2 nodes x 2 workers, flat float32
+    d.global_round(losses=[0.3, 0.1, 0.2, 0.4])      # in place on w0..w3
+    d.center                                          # the center (CENTER rules)
+
+``run`` steps every worker ``steps_per_round`` times with your step function between rounds,
+as ``G_COMM`` does in a job where every worker runs at the same speed. What the driver leaves
+out is transport: faults, deadlines, late workers and nodes (the end-to-end tests cover those).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from ..leader import Candidate, elect
+from . import ops
+from .base import (CENTER, GLOBAL_LEADER, LOCAL_LEADER, Contribution, Exchange, RoundKind,
+                   RoundRoles, Rule)
+
+
+class RoundDriver:
+    """A job's rounds of ``rule`` over ``nodes`` (a list per node of flat float32 vectors)."""
+
+    def __init__(self, rule: Rule, nodes: Sequence[Sequence[np.ndarray]]) -> None:
+        self.rule = rule
+        self.nodes = [list(ws) for ws in nodes]
+        self.workers = [w for ws in self.nodes for w in ws]
+        for w in self.workers:
+            if w.dtype != np.float32 or w.ndim != 1 or w.size != self.workers[0].size:
+                raise ValueError("the driver takes flat float32 vectors of one length")
+        self.node_of = [n for n, ws in enumerate(self.nodes) for _ in ws]
+        size = self.workers[0].size
+        self.center = self.workers[0].copy()  # seeded with node 0's first worker, as a job is
+        self.state = {name: np.zeros(size, np.float32) for name in rule.server_state}
+        self.buffers: dict[str, np.ndarray] = {}  # the node buffers of the last round
+        self.rounds: list[dict] = []  # what each round decided (leaders, weights)
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.nodes) > 1
+
+    def local_round(self, losses: Sequence[float]) -> None:
+        """Within each node: elect its leader, pull toward it (LSGD's local rounds)."""
+        for n, ws in enumerate(self.nodes):
+            ids = [i for i, k in enumerate(self.node_of) if k == n]
+            best = elect(Candidate(i, losses[i]) for i in ids)
+            leader = best.worker_id if best else None
+            target = self.workers[leader].copy() if best else None
+            for i in ids:
+                roles = RoundRoles(i, leader, None, self.multi_node)
+                self._pull(i, RoundKind.LOCAL, roles, {LOCAL_LEADER: target})
+        self.rounds.append({"kind": "local"})
+
+    def global_round(self, losses: Sequence[float],
+                     scalars: Sequence[Mapping[str, float]] | None = None) -> None:
+        """One global round over every worker, as the servers run it."""
+        scalars = scalars or [{} for _ in self.workers]
+        if len(losses) != len(self.workers) or len(scalars) != len(self.workers):
+            raise ValueError("one loss (and one scalars mapping) per worker")
+        local = {}
+        for n in range(len(self.nodes)):
+            ids = [i for i, k in enumerate(self.node_of) if k == n]
+            best = elect(Candidate(i, losses[i]) for i in ids)
+            local[n] = best.worker_id if best else None
+        record: dict = {"kind": "global"}
+        if self.rule.exchange == Exchange.LEADER:
+            best = elect(Candidate(i, losses[i]) for i in range(len(self.workers)))
+            leader = best.worker_id if best else None
+            record["leader"] = leader
+            glob = self.workers[leader].copy() if best else None
+            locals_ = {n: self.workers[w].copy() if w is not None else None  # before any pull
+                       for n, w in local.items()}
+            for i in range(len(self.workers)):
+                n = self.node_of[i]
+                roles = RoundRoles(i, local[n], leader, self.multi_node)
+                self._pull(i, RoundKind.GLOBAL, roles, {GLOBAL_LEADER: glob, LOCAL_LEADER: locals_[n]})
+        else:
+            weights = [float(self.rule.weight(Contribution(i, losses[i], scalars[i])))
+                       for i in range(len(self.workers))]
+            record["weights"] = weights
+            total = np.zeros_like(self.center)
+            ops.weighted_sum_into_(total, self.workers, weights)  # values before any pull
+            old = self.center.copy()
+            self.rule.update_(self.center, total, float(sum(weights)), len(self.workers), self.state)
+            target = self.center if self.rule.pull_after_exchange else old
+            for i in range(len(self.workers)):
+                roles = RoundRoles(i, local[self.node_of[i]], None, self.multi_node)
+                self._pull(i, RoundKind.GLOBAL, roles, {CENTER: target})
+        self.rounds.append(record)
+
+    def run(self, rounds: int, steps_per_round: int,
+            step: Callable[[int, np.ndarray], float],
+            scalars: Callable[[int], Mapping[str, float]] | None = None) -> list[float]:
+        """``rounds`` global rounds, each after ``steps_per_round`` calls of ``step(worker id,
+        its vector) -> loss`` per worker. Returns the losses of the last steps."""
+        losses = [float("nan")] * len(self.workers)
+        for _ in range(rounds):
+            sums = [0.0] * len(self.workers)
+            for i, w in enumerate(self.workers):
+                for _ in range(steps_per_round):
+                    sums[i] += float(step(i, w))
+            losses = [s / steps_per_round for s in sums]
+            self.global_round(losses, [scalars(i) for i in range(len(self.workers))]
+                              if scalars else None)
+        return losses
+
+    def _pull(self, i: int, kind: RoundKind, roles: RoundRoles,
+              buffers: Mapping[str, np.ndarray | None]) -> None:
+        for name, strength in self.rule.pulls(kind, roles):
+            target = buffers.get(name)
+            if target is None:
+                raise ValueError(f"rule {self.rule.name} pulls toward {name}, which this round "
+                                 "does not have")
+            ops.pull_toward_(self.workers[i], target, strength)
