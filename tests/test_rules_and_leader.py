@@ -90,10 +90,10 @@ def test_lsgd_without_a_leader_pulls_nothing():
 
 
 def test_lsgd_proximal_pulls_off_by_default_and_scaled_when_on():
-    assert LSGD().proximal_pulls(True) == []
+    assert LSGD().per_step_pulls(True) == []
     rule = LSGD(p1=0.1, p2=0.2, l_comm=4, g_comm=16)
-    assert rule.proximal_pulls(True) == [(GLOBAL_LEADER, 0.2 / 16), (LOCAL_LEADER, 0.1 / 4)]
-    assert rule.proximal_pulls(False) == [(GLOBAL_LEADER, 0.2 / 16)]
+    assert rule.per_step_pulls(True) == [(GLOBAL_LEADER, 0.2 / 16), (LOCAL_LEADER, 0.1 / 4)]
+    assert rule.per_step_pulls(False) == [(GLOBAL_LEADER, 0.2 / 16)]
 
 
 def test_easgd_pulls_everyone_toward_the_center_and_beta_defaults_to_alpha_times_p():

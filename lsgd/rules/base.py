@@ -122,6 +122,11 @@ class Rule(ABC):
     def pulls(self, kind: RoundKind, roles: RoundRoles) -> list[tuple[str, float]]:
         """Return ``[(buffer, strength), ...]`` applied in order to a participant, in place."""
 
+    def per_step_pulls(self, multi_node: bool) -> list[tuple[str, float]]:
+        """Pulls a worker applies after every step, toward the node buffers as they were at its
+        last round (LSGD's optional proximal term); none by default."""
+        return []
+
     def update_(self, center: np.ndarray, total: np.ndarray, weight: float, count: int,
                 state: Mapping[str, np.ndarray]) -> None:
         """CENTER, on the global server: make the new ``center`` (in place) from this round's

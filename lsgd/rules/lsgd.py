@@ -4,7 +4,7 @@ In a local round every participant of a node pulls toward the node's best worker
 ``c1``; in a global round it then pulls toward the best worker of the job with ``c2``. A leader
 is never pulled toward itself. With a single node there are no local rounds: only the global
 leader is used. The optional per-step proximal pull (``p1``/``p2``) of the authors' reference
-code is not part of the paper and is off by default; see ``proximal_pulls``.
+code is not part of the paper and is off by default; see ``per_step_pulls``.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class LSGD(Rule):
             out.append((GLOBAL_LEADER, self.c2))
         return out
 
-    def proximal_pulls(self, multi_node: bool) -> list[tuple[str, float]]:
+    def per_step_pulls(self, multi_node: bool) -> list[tuple[str, float]]:
         """Per-step pulls toward the last known leaders (reference code, not the paper).
 
         After every SGD step: ``x <- (1 - p2/g_comm) x + (p2/g_comm) xg_last``, then the same with

@@ -169,8 +169,7 @@ class Worker:
             self._params.read_into(self._store.slot(self.local_index))
         self._touched, self._touched_at = ops.fingerprint(self._store.slot(self.local_index)), self.iterations
         rule = self.config.make_rule()
-        if hasattr(rule, "proximal_pulls"):
-            self._proximal = rule.proximal_pulls(self.config.num_groups > 1)
+        self._proximal = rule.per_step_pulls(self.config.num_groups > 1)
         self._send(m.Ready(self.local_index))
         if not self._refill(m.Ask(self.local_index, 0)):  # credits for the first steps
             self._stopped = True
