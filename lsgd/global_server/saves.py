@@ -115,7 +115,7 @@ class SavedParams:
                 member = state_member(name)
                 if not live[CENTER] and old is not None and member in old_state:
                     out.copy(old, member)
-                else:  # live (checked with the center's version); or zeros: never updated
+                else:  # live (checked with the center's version below); or not updated yet
                     out.vector(member, vec)
             out.small("flags", np.array(flags, dtype=np.bool_))
             with self._cond:
@@ -123,7 +123,8 @@ class SavedParams:
                     raise _Changed
         return key
 
-    def _saved(self, path: Path, stack: ExitStack) -> tuple["NpzReader | None", tuple[bool, bool], set[str]]:
+    def _saved(self, path: Path,
+               stack: ExitStack) -> tuple["NpzReader | None", tuple[bool, bool], set[str]]:
         """The vectors and flags of an earlier save at ``path``, if it is one of this model, and
         the members of the rule's state it holds."""
         if not path.exists():
