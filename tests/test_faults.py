@@ -13,7 +13,7 @@ TOY = dict(ENTRY="toyjob:main", LOG_LEVEL="INFO")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("algorithm, nodes", [("lsgd", 2), ("easgd", 1)])
+@pytest.mark.parametrize("algorithm, nodes", [("lsgd", 2), ("easgd", 1), ("diloco", 1)])
 def test_a_diverged_worker_never_leads_and_is_reset(cluster, tmp_path, algorithm, nodes):
     knobs = dict(NUM_GROUPS=nodes, ITERATIONS=4000, ALGORITHM=algorithm, TOYJOB_NAN="1:100",
                  TOYJOB_COUNT_DIR=tmp_path, **TOY)
@@ -32,6 +32,10 @@ def test_a_diverged_worker_never_leads_and_is_reset(cluster, tmp_path, algorithm
     assert len(sick_round) >= 2  # the round went on with the healthy workers...
     for r in sick_round:  # ...and the diverged one did not lead it
         assert "1" not in (r["local_leader"], r["global_leader"])
+    if algorithm in ("easgd", "diloco"):  # nor was it summed: the server took that round's sum
+        # (it refuses one with a NaN) and the healthy workers pulled toward the center it made
+        assert all(r["pull_center"] for r in sick_round if r["worker_id"] != "1"), sick_round
+        assert "upload has non-finite" not in n0.output and "exchange incomplete" not in n0.output
     ev = n0.summary()["evaluation"]  # the leader, the average and the center stayed finite
     assert all(math.isfinite(v["accuracy"]) and v["accuracy"] > 0.5 for v in ev.values()), ev
     assert all((tmp_path / f"{w}.finite").read_text() == "True" for w in range(2 * nodes))
@@ -40,7 +44,7 @@ def test_a_diverged_worker_never_leads_and_is_reset(cluster, tmp_path, algorithm
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd", "average"])
 def test_a_killed_worker_is_respawned_from_the_leader_or_center(cluster, tmp_path, algorithm):
     node = cluster(0, PORT=0, ITERATIONS=6000, ALGORITHM=algorithm, TOYJOB_DIE="1:300",
                    TOYJOB_COUNT_DIR=tmp_path, **TOY)
@@ -49,7 +53,7 @@ def test_a_killed_worker_is_respawned_from_the_leader_or_center(cluster, tmp_pat
     died = float((tmp_path / "1.died").read_text())
     (respawned,) = s["respawns"]["1"]
     assert 0 < respawned - died < 2.0  # noticed and started again within 2 s
-    point = "center" if algorithm == "easgd" else "global leader"
+    point = "global leader" if algorithm == "lsgd" else "center"
     assert f"worker 1: started again (1 of at most 2), from the {point}" in node.output
     assert s["worker_exit_codes"] == {"0": 0, "1": 0}  # the new process ended normally
     assert s["workers"]["1"] > 1000  # ...after training on

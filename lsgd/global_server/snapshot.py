@@ -1,4 +1,5 @@
-"""The global server's saved parameters: ``.npz`` files written and read chunk by chunk.
+"""The global server's saved parameters (leader, center, the rule's state): ``.npz`` files
+written and read chunk by chunk.
 
 The format is ``numpy.savez``'s (an uncompressed zip of ``.npy`` members, read without pickle),
 so a file of either writer loads with either reader: ``np.load(path, allow_pickle=False)``
@@ -74,6 +75,10 @@ class NpzReader:
             return self._zip.open(f"{name}.npy")
         except KeyError:
             raise ValueError(f"{self.path}: no member '{name}'") from None
+
+    def members(self) -> set[str]:
+        """The names of the arrays in the file (without ``.npy``)."""
+        return {n[:-4] for n in self._zip.namelist() if n.endswith(".npy")}
 
     def header(self, name: str) -> tuple[tuple[int, ...], np.dtype]:
         """(shape, dtype) of member ``name``; ValueError unless it is a plain C-order array."""
