@@ -172,6 +172,9 @@ def test_the_torch_hook_reads_the_gradient_norm_at_rounds():
     model(torch.randn(8, 4)).pow(2).mean().backward()
     expected = math.sqrt(sum(float((p.grad.double() ** 2).sum()) for p in model.parameters()))
     assert float(params.grad_norm()) == pytest.approx(expected, rel=1e-6)
+    double = torch.nn.Linear(3, 2).double()  # any float dtype
+    double(torch.ones(1, 3, dtype=torch.float64)).sum().backward()
+    assert float(as_params(double).grad_norm()) == pytest.approx(math.sqrt(8))  # 2x3 ones, 2 ones
 
     assert grad_norm_source(params, None, wanted=True) == params.grad_norm  # default: when used
     assert grad_norm_source(params, True, wanted=False) is None  # no rule reads it: not computed

@@ -94,9 +94,9 @@ class TorchParams:
         device (read by the worker at rounds: ``register(model, grad_norm=...)``); None when
         no parameter has one."""
         norms = [torch.linalg.vector_norm(g.coalesce().values() if g.is_sparse else g,
-                                          dtype=torch.float32)
+                                          dtype=torch.promote_types(g.dtype, torch.float32))
                  for g in (t.grad for t in self._trained) if g is not None]
-        return torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+        return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if norms else None
 
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
