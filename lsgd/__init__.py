@@ -8,7 +8,7 @@ move through node shared memory. See ``docs/architecture.md``.
 __version__ = "0.1.0"
 
 
-def connect(params=None, evaluate=None, *, buffers="local"):
+def connect(params=None, evaluate=None, *, buffers="local", grad_norm=None):
     """This process's lsgd worker (see ``lsgd.worker.client.connect``).
 
     Under ``train.sh`` it is the worker the local server set up; in a plain ``python script.py``
@@ -16,7 +16,7 @@ def connect(params=None, evaluate=None, *, buffers="local"):
     """
     from .worker.client import connect as _connect
 
-    return _connect(params, evaluate, buffers=buffers)
+    return _connect(params, evaluate, buffers=buffers, grad_norm=grad_norm)
 
 
 __all__ = ["connect", "__version__"]

@@ -54,11 +54,14 @@ x_var, y_var = pt.matrix("x", dtype="float32"), pt.lvector("y")
 lr, mu = np.float32(args.lr), np.float32(0.9)
 probs = pt.special.softmax(pt.tanh(x_var @ w1 + b1) @ w2 + b2, axis=-1)
 loss_var = -pt.mean(pt.log(probs[pt.arange(y_var.shape[0]), y_var]))
+grads = pytensor.grad(loss_var, params)
+flat_grad = pt.concatenate([g.flatten() for g in grads])
+grad_norm_var = pt.sqrt(flat_grad @ flat_grad)  # the gradient's norm, monitored below
 updates = [(steps_done, steps_done + 1)]
-for p, v, g in zip(params, velocities, pytensor.grad(loss_var, params)):
+for p, v, g in zip(params, velocities, grads):
     updates += [(v, mu * v - lr * g), (p, p + mu * (mu * v - lr * g) - lr * g)]  # Nesterov
 mode = Mode(linker="py", optimizer="fast_compile")  # compiles in ~0.1 s
-train_step = pytensor.function([x_var, y_var], loss_var, updates=updates, mode=mode)
+train_step = pytensor.function([x_var, y_var], [loss_var, grad_norm_var], updates=updates, mode=mode)
 predict = pytensor.function([x_var], pt.argmax(probs, axis=-1), mode=mode)
 
 
@@ -69,5 +72,7 @@ def accuracy():
 order = np.random.default_rng(args.seed + 1)
 for step in range(args.steps):
     i = order.integers(0, len(x_train), args.batch_size)
-    loss = train_step(x_train[i], y_train[i])
+    loss, grad_norm = train_step(x_train[i], y_train[i])
+    if step % 1000 == 0:
+        print(f"step {step}: loss {loss:.3f}, gradient norm {grad_norm:.3f}")
 print(f"test accuracy {accuracy():.4f} after {steps_done.get_value()} steps")

@@ -195,6 +195,8 @@ class DigitsMLP:
             ``params``.
         hidden: Width of the hidden layer.
         momentum: Momentum coefficient.
+        grad_norm: The L2 norm of the gradient of the last :meth:`train_step`
+            (a float; NaN before the first step or without ``grad_norm=True``).
     """
 
     def __init__(
@@ -205,6 +207,7 @@ class DigitsMLP:
         momentum: float = 0.9,
         *,
         mode: str | Mode | None = None,
+        grad_norm: bool = False,
     ) -> None:
         """Create the parameters and compile the training and predict functions.
 
@@ -215,6 +218,9 @@ class DigitsMLP:
             momentum: Nesterov momentum coefficient in ``[0, 1)``.
             mode: PyTensor compile mode; ``None`` uses
                 :func:`make_default_mode`.
+            grad_norm: Also compute the norm of each step's gradient (the
+                gradients the step already has; a few more ops per step) into
+                :attr:`grad_norm`, for rules that weigh workers by it (GRAWA).
 
         Raises:
             ValueError: If ``hidden`` < 1, ``lr`` < 0 or ``momentum`` is not in
@@ -228,6 +234,8 @@ class DigitsMLP:
             raise ValueError(f"momentum must be in [0, 1), got {momentum}")
         self.hidden = int(hidden)
         self.momentum = float(momentum)
+        self.grad_norm = float("nan")
+        self._tracks_norm = bool(grad_norm)
         t0 = time.perf_counter()
 
         rng = np.random.default_rng(seed)
@@ -273,8 +281,12 @@ class DigitsMLP:
             updates.append((p, p + mu * v_new - step))
 
         mode = make_default_mode() if mode is None else mode
+        outputs = loss
+        if self._tracks_norm:  # one concatenation and one dot: the fewest Python-linker ops
+            flat = pt.concatenate([g.flatten() for g in grads])
+            outputs = [loss, pt.sqrt(pt.dot(flat, flat))]
         self._train_fn = pytensor.function(
-            [x, y], loss, updates=updates, mode=mode, name="digits_mlp_train"
+            [x, y], outputs, updates=updates, mode=mode, name="digits_mlp_train"
         )
         self._predict_fn = pytensor.function(
             [x], pt.argmax(logits, axis=1), mode=mode, name="digits_mlp_predict"
@@ -313,8 +325,13 @@ class DigitsMLP:
             y: Integer labels of shape ``(batch,)``; converted to int32.
 
         Returns:
-            The mean cross-entropy of the minibatch before the update.
+            The mean cross-entropy of the minibatch before the update (with
+            ``grad_norm=True``, the gradient's norm goes to :attr:`grad_norm`).
         """
+        if self._tracks_norm:
+            loss, norm = self._train_fn(_as_x(x), _as_y(y))
+            self.grad_norm = float(norm)
+            return float(loss)
         return float(self._train_fn(_as_x(x), _as_y(y)))
 
     def loss(self, x: np.ndarray, y: np.ndarray) -> float:
@@ -396,14 +413,17 @@ def main(worker) -> None:
 
     Every worker builds the same initial model (``seed``), sees the same train/test split and
     draws its own minibatch order (a per-worker permutation each epoch). The held-out split
-    evaluates the final leader, the worker average and the EASGD center.
+    evaluates the final leader, the worker average and the center (EASGD, GRAWA, ...). A rule
+    that weighs workers by their gradient norms (GRAWA) gets them with each step; the others
+    do not pay for computing them.
 
     Args:
         worker: the ``lsgd.worker.Worker`` handed over by the local server.
     """
     cfg = worker.config
     data = load_digits_split(split_seed=cfg.seed)
-    model = DigitsMLP(seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum)
+    norms = worker.wants("grad_norm")
+    model = DigitsMLP(seed=cfg.seed, lr=cfg.lr, momentum=cfg.momentum, grad_norm=norms)
     batches = minibatches(data.x_train, data.y_train, cfg.batch_size,
                           np.random.default_rng([cfg.seed, worker.worker_id]))
     worker.register(model.params,
@@ -411,5 +431,6 @@ def main(worker) -> None:
                                       "loss": model.loss(data.x_test, data.y_test)},
                     state=model.velocities)  # its momentum, kept in checkpoints
     for xb, yb in batches:
-        if not worker.step(model.train_step(xb, yb)):
+        loss = model.train_step(xb, yb)
+        if not (worker.step(loss, grad_norm=model.grad_norm) if norms else worker.step(loss)):
             break

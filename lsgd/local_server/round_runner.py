@@ -168,6 +168,15 @@ class RoundMixin:
         """A participant's weight, as the rule says; a weight out of [1e-6, 1e6] is clipped
         (logged once)."""
         c = Contribution(self.workers[i].worker_id, join.loss, dict(join.scalars))
+        missing = [name for name in self.rule.scalars if name not in c.scalars]
+        if missing and not getattr(self, "_told_missing", False):  # once per node
+            self._told_missing = True
+            log.warning("rule %s uses the per-step scalar '%s', which worker %d does not give (or "
+                        "only non-finite values): pass it to step(), e.g. worker.step(loss, "
+                        "%s=...) (PyTorch: register(model) reads grad_norm from .grad); until "
+                        "it does the rule falls back to its default (GRAWA: weight 1, plain "
+                        "averaging)", self.rule.name,
+                        "/".join(missing), c.worker_id, missing[0])
         w = float(self.rule.weight(c))
         if not (MIN_WEIGHT <= w <= MAX_WEIGHT):  # NaN too
             self.repeats.warning("weight", "rule %s gave worker %d the weight %r, outside "

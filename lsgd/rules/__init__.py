@@ -10,9 +10,10 @@ from .base import (CENTER, GLOBAL_LEADER, LOCAL_LEADER, Contribution, Exchange, 
 from .average import Average
 from .diloco import DiLoCo
 from .easgd import EASGD
+from .grawa import GRAWA
 from .lsgd import LSGD
 
-RULES: dict[str, type[Rule]] = {r.name: r for r in (LSGD, EASGD, Average, DiLoCo)}
+RULES: dict[str, type[Rule]] = {r.name: r for r in (LSGD, EASGD, Average, DiLoCo, GRAWA)}
 
-__all__ = ["Average", "CENTER", "DiLoCo", "EASGD", "GLOBAL_LEADER", "LOCAL_LEADER", "LSGD", "RULES", "Contribution",
+__all__ = ["Average", "CENTER", "DiLoCo", "EASGD", "GLOBAL_LEADER", "GRAWA", "LOCAL_LEADER", "LSGD", "RULES", "Contribution",
            "Exchange", "RoundKind", "RoundRoles", "Rule", "RuleError"]

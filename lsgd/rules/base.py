@@ -96,6 +96,7 @@ class Rule(ABC):
     exchange: Exchange = Exchange.LEADER
     pull_after_exchange: bool = False  # CENTER: pull toward this round's new center
     scalars: tuple[str, ...] = ()  # per-step scalars the training loop passes to step()
+    scalar_momentum: float = 0.9 ** 8  # their moving average across rounds (0: the latest value)
     server_state: tuple[str, ...] = ()  # CENTER: more vectors the global server keeps
 
     @classmethod

@@ -15,6 +15,8 @@ and runs the user's script or function in it)::
 ``step(loss)`` costs a counter decrement on most iterations: the worker holds *credits* (steps
 it may take before asking again) granted by its local server. When they run out it asks for
 more; the answer may be more credits, a round (publish, pull, go on) or the end of the job.
+A rule that uses per-step scalars (GRAWA's gradient norm) gets them as keyword arguments,
+``worker.step(loss, grad_norm=g)``, or from a PyTorch model's ``.grad`` (``scalars_window.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from ..local_server.store import NodeStore
 from ..rules import ops
 from . import scalars as worker_scalars
 from . import state as worker_state
+from .scalars_window import ScalarsWindow, grad_norm_source
 from .adapters import ParamAdapter, as_params
 from .solo import SoloWorker, check_register, check_step, loss_value
 
@@ -94,6 +97,8 @@ class Worker:
         self.num_workers = ctx.config.total_workers
         self.iterations = 0
         self._window = LossWindow(ctx.config.window)
+        self._given = ScalarsWindow()  # per-step scalars of step(); the rule's after register()
+        self._rule_scalars: tuple[str, ...] | None = None
         self._credits = 0
         self._unreported = 0
         self._params: ParamAdapter | None = None
@@ -122,7 +127,7 @@ class Worker:
 
     # ------------------------------------------------------------------ public API
     def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
-                 buffers: str = "local", state: Any = None) -> None:
+                 buffers: str = "local", state: Any = None, grad_norm: bool | None = None) -> None:
         """Register the model's parameters (once) and an optional evaluation function.
 
         Args:
@@ -136,9 +141,14 @@ class Worker:
             state: this worker's own state for checkpoints (optimizer buffers), never
                 exchanged: a list of arrays / shared variables / tensors, or a function
                 returning one (see ``lsgd.worker.state``).
+            grad_norm: PyTorch only: read the gradient norm a rule uses (GRAWA) from the
+                parameters' ``.grad`` at each round. None (default): when the rule uses it;
+                False: never (pass ``step(loss, grad_norm=g)`` yourself). See
+                ``scalars_window.py``.
         """
         check_register(self._params)
         self._params = as_params(params, buffers=buffers)
+        source = grad_norm_source(self._params, grad_norm, self.wants("grad_norm"))
         self._state = worker_state.make(state, self.config.run_dir, self.config.node_index,
                                         self.worker_id)
         self._evaluate = evaluate
@@ -169,19 +179,29 @@ class Worker:
             self._params.read_into(self._store.slot(self.local_index))
         self._touched, self._touched_at = ops.fingerprint(self._store.slot(self.local_index)), self.iterations
         rule = self.config.make_rule()
+        self._given = ScalarsWindow(rule.scalars, rule.scalar_momentum,
+                                    {"grad_norm": source} if source else None)
         self._proximal = rule.per_step_pulls(self.config.num_groups > 1)
         self._send(m.Ready(self.local_index))
         if not self._refill(m.Ask(self.local_index, 0)):  # credits for the first steps
             self._stopped = True
 
-    def step(self, loss: float) -> bool:
+    def step(self, loss: float, **scalars: Any) -> bool:
         """Record one finished SGD step and its minibatch loss.
+
+        Args:
+            loss: the minibatch loss (a number, or a one-element array or tensor).
+            scalars: per-step numbers the job's rule uses (``Rule.scalars``, see ``wants``),
+                e.g. ``grad_norm=g``; read at the next round (``scalars_window.py``).
 
         Returns:
             True to keep training, False when the job is over (leave the loop).
         """
-        check_step(self._params)
+        if self._params is None:  # (inline: step() is the hot path)
+            check_step(self._params)
         loss = loss_value(loss)
+        if scalars:
+            self._given.latest.update(scalars)
         if self._stopped:
             # The job ended before this update got a credit (e.g. before this worker's first
             # one): the loop made it, so it is counted once (reported by close()). Steps of a
@@ -210,6 +230,18 @@ class Worker:
                 self._send(m.Progress(self.local_index, self._take_unreported()))
             return True
         return self._refill(m.Ask(self.local_index, self._take_unreported()))
+
+    def wants(self, name: str) -> bool:
+        """Whether the job's rule uses the per-step scalar ``name`` (give it to ``step()``
+        then): ``worker.wants("grad_norm")`` is True under GRAWA."""
+        return name in self.rule_scalars
+
+    @property
+    def rule_scalars(self) -> tuple[str, ...]:
+        """The per-step scalars the job's rule uses (``Rule.scalars``)."""
+        if self._rule_scalars is None:
+            self._rule_scalars = tuple(self.config.make_rule().scalars)
+        return self._rule_scalars
 
     def shard(self, *arrays: Any, mode: str | None = None) -> Any:
         """This worker's part of the training data: ``x, y = worker.shard(x, y)``.
@@ -311,9 +343,10 @@ class Worker:
         finite_slot, read = ops.finite_fingerprint(slot)  # each worker checks itself, in parallel
         self._check_trained(read)
         healthy = finite and finite_slot
+        scalars = self._given.read(stepped=self.iterations > self._touched_at)
         self._touched, self._touched_at = read, self.iterations
         self._send(m.Join(self.local_index, call.round_id, estimate, self._take_unreported(),
-                          self.iterations, healthy))
+                          self.iterations, healthy, scalars=scalars))
         while True:
             msg = self._get()
             if isinstance(msg, m.Pull) and msg.reset:  # diverged: start again from a good model
@@ -322,6 +355,7 @@ class Worker:
                 self._params.write_from(slot)
                 self._wrote(slot)
                 self._window.reset()
+                self._given.reset()
                 log.warning("non-finite loss or parameters: reset to the %s", name)
                 self._send(m.Done(self.local_index, msg.round_id, {}))
                 return True
@@ -437,7 +471,7 @@ _solo: SoloWorker | None = None
 
 
 def connect(params: Any = None, evaluate: Callable[[], dict[str, float]] | None = None, *,
-            buffers: str = "local") -> Worker | SoloWorker:
+            buffers: str = "local", grad_norm: bool | None = None) -> Worker | SoloWorker:
     """This process's lsgd worker; registers ``params`` too when given.
 
     In a process that ``train.sh`` started, this is the worker the local server set up. In any
@@ -452,7 +486,7 @@ def connect(params: Any = None, evaluate: Callable[[], dict[str, float]] | None 
             _solo = SoloWorker()
         worker = _solo
     if params is not None:
-        worker.register(params, evaluate, buffers=buffers)
+        worker.register(params, evaluate, buffers=buffers, grad_norm=grad_norm)
     return worker
 
 

@@ -1,7 +1,7 @@
 """The stand-in worker that ``lsgd.connect()`` returns outside ``train.sh``, and the checks of
 the user's calls that it shares with the real worker (``client.py``), so that a quick local run
 refuses the same mistakes: ``step()`` before ``register()``, registering twice, a loss that is
-not one number.
+not one number, a per-step scalar (``step(loss, grad_norm=g)``) that is not one number.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 from ..config import JobConfig
 from . import scalars as worker_scalars
 from .adapters import ParamAdapter, as_params
+from .scalars_window import grad_norm_source, scalar_value
 
 
 class SoloWorker:
@@ -30,21 +31,33 @@ class SoloWorker:
         self.config = JobConfig()
         self.iterations = 0
         self._params: ParamAdapter | None = None
+        self._checked: set[str] = set()  # per-step scalars whose first value was checked
         self._scalars = worker_scalars.for_solo(self.config.run_dir, lambda: self.iterations)
 
     def register(self, params: Any, evaluate: Callable[[], dict[str, float]] | None = None, *,
-                 buffers: str = "local", state: Any = None) -> None:
+                 buffers: str = "local", state: Any = None, grad_norm: bool | None = None) -> None:
         check_register(self._params)
         self._params = as_params(params, buffers=buffers)
+        grad_norm_source(self._params, grad_norm, False)  # the same checks; no rule reads it
 
     def shard(self, *arrays: Any, mode: str | None = None) -> Any:
         return arrays[0] if len(arrays) == 1 else arrays
 
-    def step(self, loss: float) -> bool:
+    def step(self, loss: float, **scalars: Any) -> bool:
         check_step(self._params)
         loss_value(loss)
+        for name, value in scalars.items():  # the first value of each (a job: at rounds)
+            if name not in self._checked:
+                scalar_value(name, value)
+                self._checked.add(name)
         self.iterations += 1
         return True
+
+    def wants(self, name: str) -> bool:
+        """No rule runs outside a job: no per-step scalar is needed."""
+        return False
+
+    rule_scalars: tuple[str, ...] = ()
 
     def log(self, scalars: Mapping[str, float], step: int | None = None) -> None:
         """As ``Worker.log``; with ``TENSORBOARD=1`` the events go to

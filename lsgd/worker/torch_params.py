@@ -16,6 +16,10 @@ optimizer, and keeps describing the worker's own trajectory after a pull.
 The registered tensors are updated in place; a module whose tensor is replaced after
 registration (``model.fc.weight = nn.Parameter(...)``) no longer trains what lsgd exchanges,
 which ``replaced()`` reports at each round.
+
+``grad_norm()`` is the gradient-norm hook of ``register(model, grad_norm=...)``: the L2 norm of
+the parameters' ``.grad`` (the last ``backward()``), read at rounds only
+(``lsgd/worker/scalars_window.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ class TorchParams:
         if not unique:
             raise ValueError("no parameters to register")
         self.tensors = unique + stats
+        self._trained = unique  # what has gradients
         devices = {t.device for t in self.tensors}
         if len(devices) != 1:
             raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -82,6 +87,16 @@ class TorchParams:
             if self._named.get(name) is not t:
                 return f"the model's tensor '{name}' was replaced after register()"
         return None
+
+    @torch.no_grad()
+    def grad_norm(self) -> torch.Tensor | None:
+        """The L2 norm of the parameters' gradients (``.grad``) as a 0-d tensor on their
+        device (read by the worker at rounds: ``register(model, grad_norm=...)``); None when
+        no parameter has one."""
+        norms = [torch.linalg.vector_norm(g.coalesce().values() if g.is_sparse else g,
+                                          dtype=torch.promote_types(g.dtype, torch.float32))
+                 for g in (t.grad for t in self._trained) if g is not None]
+        return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])) if norms else None
 
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
