@@ -19,7 +19,7 @@ import pytest
 from conftest import assert_clean_exit, global_summary, metric_rows
 from lsgd.config import JobConfig
 from lsgd.local_server.round_runner import RoundMixin
-from lsgd.rules import Average, Contribution, Rule, RuleError
+from lsgd.rules import RULES, Average, Contribution, Rule, RuleError
 from lsgd.rules.base import MIN_WEIGHT, SUM, node_weights
 from lsgd.rules.testkit import RoundDriver
 
@@ -164,6 +164,32 @@ def test_every_code_block_that_names_a_file_is_marked():
     for m in re.finditer(r"```python\n(.*?)```", text, re.S):
         if "class TopK(Rule):" in m.group(1):
             assert text[: m.start()].endswith("<!-- file: examples/rules/topk.py -->\n")
+
+
+def test_the_readme_and_the_docs_list_every_rule_and_knob():
+    readme = (REPO / "README.md").read_text()
+    algorithm_row = next(line for line in readme.splitlines() if line.startswith("| `ALGORITHM` |"))
+    docs = DOCS.read_text()
+    for name in RULES:
+        assert f"`{name}`" in algorithm_row, f"README's ALGORITHM row lacks {name}"
+        assert f"### `{name}`" in docs, f"docs/rules.md has no section on {name}"
+    knobs = set(re.findall(r"\$\{([A-Z][A-Z0-9_]*):-", (REPO / "train.sh").read_text())) - {"PYTHON"}
+    assert {"ALGORITHM", "RULE_ARGS", "OUTER_LR", "OUTER_MOMENTUM"} <= knobs
+    table = [line for line in readme.splitlines() if line.startswith("| `")]
+    for knob in knobs:
+        assert any(f"`{knob}`" in line.split("|")[1] for line in table), f"README lacks {knob}"
+
+
+def test_the_docs_test_kit_examples_run(monkeypatch):
+    """The page's unmarked examples that drive a rule (the test kit's, the tutorial's test) run
+    and their asserts hold."""
+    monkeypatch.syspath_prepend(str(TUTORIAL.parent))  # "examples/rules on sys.path"
+    text = DOCS.read_text()
+    examples = [m.group(1) for m in re.finditer(r"(?<!-->\n)```python\n(.*?)```", text, re.S)
+                if "RoundDriver(" in m.group(1)]
+    assert len(examples) >= 2
+    for code in examples:
+        exec(compile(code, "docs/rules.md", "exec"), {})
 
 
 # --- (d) bad specs: one line, exit 2 ---------------------------------------------------------
