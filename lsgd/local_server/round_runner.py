@@ -18,8 +18,8 @@ import numpy as np
 
 from ..leader import Candidate, elect
 from ..rules import ops
-from ..rules.base import (CENTER, GLOBAL_LEADER, LOCAL_LEADER, MAX_WEIGHT, MIN_WEIGHT, SUM,
-                          Contribution, Exchange, RoundKind, RoundRoles)
+from ..rules.base import (CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Contribution, Exchange,
+                          RoundKind, RoundRoles, node_weights)
 from . import checkpoint
 from . import messages as m
 from .global_client import RPC_TIMEOUT, CreditAnswer
@@ -158,31 +158,23 @@ class RoundMixin:
 
     def _sum_slots(self, joins: dict[int, m.Join], weighted: bool = False) -> float:
         """The node's sum buffer := the sum of the participants' slots, each times its
-        ``Rule.weight`` when ``weighted``. Returns the sum of the weights."""
+        weight (``Rule.weights``) when ``weighted``. Returns the sum of the weights."""
         assert self.store is not None
-        weights = [self._weight(i, j) if weighted else 1.0 for i, j in joins.items()]
+        weights = self._weights(joins) if weighted else [1.0] * len(joins)
         ops.weighted_sum_into_(self.store.buffer(SUM), [self.store.slot(i) for i in joins], weights)
         return float(sum(weights))
 
-    def _weight(self, i: int, join: m.Join) -> float:
-        """A participant's weight, as the rule says; a weight out of [1e-6, 1e6] is clipped
-        (logged once)."""
-        c = Contribution(self.workers[i].worker_id, join.loss, dict(join.scalars))
-        missing = [name for name in self.rule.scalars if name not in c.scalars]
-        if missing and not getattr(self, "_told_missing", False):  # once per node
-            self._told_missing = True
-            log.warning("rule %s uses the per-step scalar '%s', which worker %d does not give (or "
-                        "only non-finite values): pass it to step(), e.g. worker.step(loss, "
-                        "%s=...) (PyTorch: register(model) reads grad_norm from .grad); until "
-                        "it does the rule falls back to its default (GRAWA: weight 1, plain "
-                        "averaging)", self.rule.name,
-                        "/".join(missing), c.worker_id, missing[0])
-        w = float(self.rule.weight(c))
-        if not (MIN_WEIGHT <= w <= MAX_WEIGHT):  # NaN too
+    def _weights(self, joins: dict[int, m.Join]) -> list[float]:
+        """The participants' weights, as the rule says, asked once for the node's participants
+        together; a weight out of [1e-6, 1e6] is clipped (logged once)."""
+        cs = [Contribution(self.workers[i].worker_id, j.loss, dict(j.scalars))
+              for i, j in joins.items()]
+        self._tell_missing_scalars(cs)
+        weights, clipped = node_weights(self.rule, cs)
+        for pos, w in clipped:
             self.repeats.warning("weight", "rule %s gave worker %d the weight %r, outside "
-                                 "[1e-6, 1e6]; clipped", self.rule.name, c.worker_id, w)
-            w = MIN_WEIGHT if not w > MIN_WEIGHT else MAX_WEIGHT
-        return w
+                                 "[1e-6, 1e6]; clipped", self.rule.name, cs[pos].worker_id, w)
+        return weights
 
     def _average_stats(self, joins: dict[int, m.Join]) -> bool:
         """Set every participant's statistics (the slot's tail) to their mean over ``joins``."""
@@ -278,6 +270,19 @@ class RoundMixin:
         except grpc.RpcError as exc:
             log.warning("round %d: upload of %s failed: %s", rid, kind, exc.details())
             return False
+
+    def _tell_missing_scalars(self, cs: list[Contribution]) -> None:
+        """Once per node: a per-step scalar the rule uses that a worker does not give."""
+        for c in cs:
+            missing = [name for name in self.rule.scalars if name not in c.scalars]
+            if missing and not getattr(self, "_told_missing", False):
+                self._told_missing = True
+                log.warning("rule %s uses the per-step scalar '%s', which worker %d does not "
+                            "give (or only non-finite values): pass it to step(), e.g. "
+                            "worker.step(loss, %s=...) (PyTorch: register(model) reads grad_norm "
+                            "from .grad); until it does the rule falls back to its default "
+                            "(GRAWA: weight 1, plain averaging)", self.rule.name,
+                            "/".join(missing), c.worker_id, missing[0])
 
     def _network_call(self):
         """Beat for the loop during one round-scale call to the global server (its deadline is

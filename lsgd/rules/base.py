@@ -13,8 +13,9 @@ A rule answers five questions (``docs/rules.md`` walks through each built-in):
 
    * ``Exchange.LEADER``: elect the participant with the lowest loss (per node in local rounds,
      over the job in global ones) and share its parameters;
-   * ``Exchange.CENTER``: the weighted mean of the participants (``weight``, 1 by default: each
-     node sums its participants' ``w_i x_i``, the global server adds the nodes' sums) goes to
+   * ``Exchange.CENTER``: the weighted mean of the participants (``weights`` of a node's
+     participants together, or ``weight`` of each, 1 by default: each node sums its
+     participants' ``w_i x_i``, the global server adds the nodes' sums) goes to
      ``update_``, which turns it into the new *center* on the global server (EASGD's elastic
      move, model averaging's copy, DiLoCo's outer optimizer step, ...).
 4. **What each participant does with the target.** ``pulls(kind, roles)``: the node buffers to
@@ -36,7 +37,7 @@ from __future__ import annotations
 import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -119,6 +120,14 @@ class Rule(ABC):
         """CENTER: a participant's weight in the mean (finite, in [1e-6, 1e6])."""
         return 1.0
 
+    def weights(self, contributions: Sequence[Contribution]) -> list[float]:
+        """CENTER: the weights of one node's participants in a global round, one per
+        contribution in order (finite, in [1e-6, 1e6]). Override it to weigh participants
+        against each other (e.g. the k best by loss); it sees one node's participants only
+        (nodes send the global server their weighted sums, not their losses). The default asks
+        ``weight`` for each."""
+        return [self.weight(c) for c in contributions]
+
     @abstractmethod
     def pulls(self, kind: RoundKind, roles: RoundRoles) -> list[tuple[str, float]]:
         """Return ``[(buffer, strength), ...]`` applied in order to a participant, in place."""
@@ -134,3 +143,25 @@ class Rule(ABC):
         weighted sum ``total`` (``sum_i w_i x_i``; read only) and ``weight``
         (``sum_i w_i``) of ``count`` participants. ``state``: the vectors of ``server_state``."""
         raise NotImplementedError(f"rule {self.name} has no center")
+
+
+def node_weights(rule: Rule, contributions: Sequence[Contribution]
+                 ) -> tuple[list[float], list[tuple[int, float]]]:
+    """``rule.weights(contributions)`` as a node uses them: each clipped into [1e-6, 1e6] (NaN
+    to 1e-6). Returns the weights and ``(position, value)`` of each clipped one.
+
+    Raises:
+        RuleError: the rule did not give one number per contribution.
+    """
+    given = list(rule.weights(contributions))
+    if len(given) != len(contributions):
+        raise RuleError(f"rule {rule.name}: weights() gave {len(given)} weights for "
+                        f"{len(contributions)} participants; give one per participant")
+    weights, clipped = [], []
+    for pos, value in enumerate(given):
+        w = float(value)
+        if not MIN_WEIGHT <= w <= MAX_WEIGHT:  # NaN too
+            clipped.append((pos, w))
+            w = MAX_WEIGHT if w > MAX_WEIGHT else MIN_WEIGHT
+        weights.append(w)
+    return weights, clipped

@@ -45,9 +45,11 @@ def load_rule(algorithm: str, builtins: dict[str, type[Rule]]) -> type[Rule]:
     where, name = m["where"], m["cls"]
     module = _load_file(where) if where.endswith(".py") else _load_module(where)
     cls = getattr(module, name, None)
+    if cls is None:
+        raise RuleError(f"algorithm '{algorithm}': {where} has no class {name}")
     if not (inspect.isclass(cls) and issubclass(cls, Rule)):
-        raise RuleError(f"algorithm '{algorithm}': {where} has no class {name} derived from "
-                        "lsgd.rules.Rule")
+        raise RuleError(f"algorithm '{algorithm}': {where}: {name} is not a subclass of "
+                        f"lsgd.rules.Rule (write: class {name}(lsgd.rules.Rule))")
     if inspect.isabstract(cls):
         missing = ", ".join(sorted(cls.__abstractmethods__))
         raise RuleError(f"algorithm '{algorithm}': {name} does not implement {missing}")

@@ -22,7 +22,7 @@ import numpy as np
 from ..leader import Candidate, elect
 from . import ops
 from .base import (CENTER, GLOBAL_LEADER, LOCAL_LEADER, Contribution, Exchange, RoundKind,
-                   RoundRoles, Rule)
+                   RoundRoles, Rule, node_weights)
 
 
 class RoundDriver:
@@ -82,8 +82,11 @@ class RoundDriver:
                 roles = RoundRoles(i, local[n], leader, self.multi_node)
                 self._pull(i, RoundKind.GLOBAL, roles, {GLOBAL_LEADER: glob, LOCAL_LEADER: locals_[n]})
         else:
-            weights = [float(self.rule.weight(Contribution(i, losses[i], scalars[i])))
-                       for i in range(len(self.workers))]
+            weights: list[float] = []  # asked per node, as each local server does
+            for n in range(len(self.nodes)):
+                ids = [i for i, k in enumerate(self.node_of) if k == n]
+                weights += node_weights(self.rule, [Contribution(i, losses[i], scalars[i])
+                                                    for i in ids])[0]
             record["weights"] = weights
             total = np.zeros_like(self.center)
             ops.weighted_sum_into_(total, self.workers, weights)  # values before any pull
