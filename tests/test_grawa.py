@@ -150,9 +150,9 @@ def test_a_missing_scalar_is_told_once_per_node_and_the_rule_falls_back(caplog):
 
     node = Node()
     with caplog.at_level(logging.WARNING, "lsgd.local_server.server"):
-        assert node._weight(0, m.Join(0, 1, 0.1, 0, 0)) == 1.0
-        assert node._weight(1, m.Join(1, 1, 0.1, 0, 0)) == 1.0
-        assert node._weight(1, m.Join(1, 1, 0.1, 0, 0, scalars={"grad_norm": 0.5})) == 2.0
+        assert node._weights({0: m.Join(0, 1, 0.1, 0, 0), 1: m.Join(1, 1, 0.1, 0, 0)}) == [1.0, 1.0]
+        assert node._weights({1: m.Join(1, 1, 0.1, 0, 0)}) == [1.0]
+        assert node._weights({1: m.Join(1, 1, 0.1, 0, 0, scalars={"grad_norm": 0.5})}) == [2.0]
     assert len(caplog.records) == 1, caplog.text
     assert ("rule grawa uses the per-step scalar 'grad_norm', which worker 5 does not give"
             in caplog.text and "worker.step(loss, grad_norm=...)" in caplog.text)

@@ -124,6 +124,7 @@ def test_the_node_loop_asks_weights_with_the_nodes_participants_together():
         workers=[types.SimpleNamespace(worker_id=10 + i) for i in range(3)])
     node.repeats = types.SimpleNamespace(warning=lambda *a: node.warned.append(a))
     node._weights = types.MethodType(RoundMixin._weights, node)
+    node._tell_missing_scalars = types.MethodType(RoundMixin._tell_missing_scalars, node)
     joins = {0: types.SimpleNamespace(loss=0.5, scalars={}),
              1: types.SimpleNamespace(loss=0.2, scalars={}),
              2: types.SimpleNamespace(loss=0.9, scalars={})}
