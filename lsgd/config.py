@@ -17,7 +17,7 @@ from typing import Any
 
 from .rules import EASGD, RULES, Rule
 from .rules.base import RuleError
-from .rules.loader import load_rule, parse_args
+from .rules.loader import check_rule, load_rule, parse_args
 
 
 class ConfigError(ValueError):
@@ -109,7 +109,7 @@ class JobConfig:
                 raise ConfigError(msg)
 
         try:
-            self.make_rule()
+            check_rule(self.make_rule(), self.num_groups)
         except RuleError as exc:
             raise ConfigError(str(exc)) from None
         except Exception as exc:  # a rule's own check of its arguments
@@ -208,6 +208,13 @@ class JobConfig:
     def window(self) -> int:
         """Losses averaged for leader election."""
         return self.avg_size if self.avg_size is not None else max(1, self.l_comm // 2)
+
+    @property
+    def rule_spec(self) -> str:
+        """The rule as every node must run it: ``algorithm``, with its ``rule_args`` if any
+        (compared by the global server when a node joins)."""
+        args = self.rule_args.strip()
+        return f"{self.algorithm} ({args})" if args else self.algorithm
 
     @property
     def status_address(self) -> int | None:

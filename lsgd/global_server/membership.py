@@ -88,7 +88,7 @@ class Membership:
         if algorithm != self.algorithm or num_groups != self.num_groups or workers != self.workers:
             raise CoordinatorError(
                 "FAILED_PRECONDITION",
-                f"node {index} runs algorithm={algorithm} num_groups={num_groups} workers={workers} "
+                f"node {index} runs algorithm={algorithm[:200]} num_groups={num_groups} workers={workers} "
                 f"but the job runs algorithm={self.algorithm} num_groups={self.num_groups} "
                 f"workers={self.workers}; use the same train.sh settings on every node")
         if not 0 <= index < self.num_groups:

@@ -57,7 +57,7 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
                                 local_rounds=rule.has_local_rounds(config.num_groups),
                                 max_iterations=config.iterations)
     now = time.monotonic()
-    coord = Coordinator(job_id=config.job_id, algorithm=config.algorithm,
+    coord = Coordinator(job_id=config.job_id, algorithm=config.rule_spec,
                         num_groups=config.num_groups, workers=config.workers, schedule=schedule,
                         max_seconds=config.minutes * 60 if config.minutes else None,
                         node_timeout=config.node_timeout, round_timeout=config.round_timeout,

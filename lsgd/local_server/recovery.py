@@ -141,7 +141,7 @@ class RecoveryMixin:
         old_session, old_epoch = self.client.session, self.client.epoch
         try:
             resp = self.client.join(workers=self.cfg.workers, param_count=self.param_count,
-                                    algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
+                                    algorithm=self.cfg.rule_spec, num_groups=self.cfg.num_groups,
                                     connect_timeout=0.5, resume=True, held=held,
                                     unreported=r.consumed + r.late, unanswered=self.unanswered)
         except GlobalUnreachable:

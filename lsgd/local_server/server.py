@@ -383,7 +383,7 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         self.view.wait(f"joining the job at {self.address}", "CONNECT_TIMEOUT",
                        self.cfg.connect_timeout)
         resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
-                                algorithm=self.cfg.algorithm, num_groups=self.cfg.num_groups,
+                                algorithm=self.cfg.rule_spec, num_groups=self.cfg.num_groups,
                                 connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
         self._joined(resp.session, resp.counter)
         self.view.on_counter(resp.counter)

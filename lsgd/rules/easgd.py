@@ -34,7 +34,9 @@ class EASGD(Rule):
 
     @classmethod
     def from_config(cls, config, **args) -> "EASGD":
-        return cls(config.alpha, config.beta, **args)
+        args.setdefault("alpha", config.alpha)  # RULE_ARGS override the knobs
+        args.setdefault("beta", config.beta)
+        return cls(**args)
 
     def update_(self, center: np.ndarray, total: np.ndarray, weight: float, count: int,
                 state: Mapping[str, np.ndarray]) -> None:

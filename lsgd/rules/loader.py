@@ -129,3 +129,32 @@ def _convert(name: str, value: str, kind: Any) -> Any:
         return value
     want = " or ".join(getattr(t, "__name__", str(t)) for t in options)
     raise RuleError(f"rule_args: {name} must be {want}, got '{value}'")
+
+
+def check_rule(rule: Rule, num_groups: int) -> None:
+    """What a rule says it does must be doable: its pulls name buffers the node has, with
+    strengths in [0, 1]; caught at start (one line, exit 2) rather than in a worker mid-job."""
+    from .base import RoundKind, RoundRoles
+
+    buffers = set(rule.node_buffers)
+    multi = num_groups > 1
+    for kind in (RoundKind.LOCAL, RoundKind.GLOBAL, RoundKind.FINAL):
+        for roles in (RoundRoles(0, 1, 1, multi), RoundRoles(1, 1, 1, multi),
+                      RoundRoles(0, None, None, multi)):
+            try:
+                pulls = list(rule.pulls(kind, roles))
+            except Exception as exc:  # noqa: BLE001 - the user's code: say where it failed
+                raise RuleError(f"rule {rule.name or type(rule).__name__}: pulls({kind.name}, ...) "
+                                f"failed: {type(exc).__name__}: {exc}") from None
+            for item in pulls:
+                if not (isinstance(item, tuple) and len(item) == 2):
+                    raise RuleError(f"rule {rule.name or type(rule).__name__}: pulls() must return "
+                                    f"(buffer, strength) pairs, got {item!r}")
+                name, strength = item
+                if name not in buffers:
+                    raise RuleError(f"rule {rule.name or type(rule).__name__}: pulls() names "
+                                    f"'{name}', which this rule's node does not have "
+                                    f"({', '.join(sorted(buffers))}; see node_buffers)")
+                if not (isinstance(strength, (int, float)) and 0.0 <= strength <= 1.0):
+                    raise RuleError(f"rule {rule.name or type(rule).__name__}: pull strength "
+                                    f"{strength!r} toward {name} is not in [0, 1]")

@@ -24,7 +24,9 @@ class LSGD(Rule):
 
     @classmethod
     def from_config(cls, config, **args) -> "LSGD":
-        return cls(config.c1, config.c2, config.p1, config.p2, config.l_comm, config.g_comm, **args)
+        for name in ("c1", "c2", "p1", "p2", "l_comm", "g_comm"):  # RULE_ARGS override the knobs
+            args.setdefault(name, getattr(config, name))
+        return cls(**args)
 
     @property
     def node_buffers(self) -> tuple[str, ...]:
