@@ -108,13 +108,6 @@ class JobConfig:
             if not ok:
                 raise ConfigError(msg)
 
-        try:
-            check_rule(self.make_rule(), self.num_groups)
-        except RuleError as exc:
-            raise ConfigError(str(exc)) from None
-        except Exception as exc:  # a rule's own check of its arguments
-            raise ConfigError(f"algorithm '{self.algorithm}' with rule_args '{self.rule_args}': "
-                              f"{type(exc).__name__}: {exc}") from None
         need(self.num_groups >= 1, f"num_groups must be >= 1, got {self.num_groups}")
         need(0 <= self.node_index < self.num_groups,
              f"node index {self.node_index} is out of range for num_groups={self.num_groups}; "
@@ -176,6 +169,13 @@ class JobConfig:
             raise ConfigError("tensorboard (TENSORBOARD=1) needs the tensorboardX package: "
                               "pip install 'lsgd[tensorboard]'")
         self._validate_security(need)
+        try:  # last: the knobs' own messages come first
+            check_rule(self.make_rule(), self.num_groups)
+        except RuleError as exc:
+            raise ConfigError(str(exc)) from None
+        except Exception as exc:  # a rule's own check of its arguments
+            raise ConfigError(f"algorithm '{self.algorithm}' with rule_args '{self.rule_args}': "
+                              f"{type(exc).__name__}: {exc}") from None
         for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout",
                      "state_every", "reconnect_timeout"):
             v = getattr(self, name)
