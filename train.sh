@@ -19,7 +19,7 @@ port="${PORT:-50051}"               # global server port (0 on node 0: any free 
 num_groups="${NUM_GROUPS:-1}"       # number of nodes
 workers="${WORKERS:-2}"             # worker processes per node
 # --- the rule ------------------------------------------------------------------------------
-algorithm="${ALGORITHM:-lsgd}"      # lsgd | easgd | average | diloco, or path/to/rule.py:Class
+algorithm="${ALGORITHM:-lsgd}"      # lsgd | easgd | average | diloco | grawa, or path/to/rule.py:Class
 rule_args="${RULE_ARGS:-}"          # your rule's own arguments: name=value,name=value
 c1="${C1:-0.1}"                     # LSGD pull toward the local (node) leader, in [0, 1]
 c2="${C2:-0.1}"                     # LSGD pull toward the global leader, in [0, 1]

@@ -37,11 +37,13 @@ class JobConfig:
     port: int = _f(50051, "global server port (0: any free port, written to RUN_DIR/global.port)")
     num_groups: int = _f(1, "number of nodes in the job")
     workers: int = _f(2, "worker processes per node")
-    algorithm: str = _f("lsgd", "training rule: lsgd | easgd, or your own: path/to/rule.py:Class "
+    algorithm: str = _f("lsgd", "training rule: lsgd | easgd | average | diloco | grawa, or "
+                        "your own: path/to/rule.py:Class "
                         "or package.module:Class (docs/rules.md)")
     rule_args: str = _f("", "the rule's own arguments, name=value,name=value (see its docs)")
     c1: float = _f(0.1, "LSGD pulling strength toward the local (node) leader, in [0, 1]")
-    c2: float = _f(0.1, "LSGD pulling strength toward the global leader, in [0, 1]")
+    c2: float = _f(0.1, "LSGD pulling strength toward the global leader (GRAWA: toward its "
+                   "center), in [0, 1]")
     p1: float = _f(0.0, "LSGD per-step proximal pull toward the last local leader (reference code, not the paper)")
     p2: float = _f(0.0, "LSGD per-step proximal pull toward the last global leader (reference code, not the paper)")
     alpha: float = _f(0.1, "EASGD moving rate of the workers toward the center, in [0, 1]")
