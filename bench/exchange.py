@@ -22,14 +22,18 @@ published them (in their node's shared memory) until every participant holds its
 
 What every rule does alike in a round (workers publish their parameters, fingerprint them,
 write them back into the model; credit calls) is left out. The two nodes run one after the
-other in this process, on one ``NodeStore`` with the rule's own node buffers (node 1's work is
-done on the same vectors: the same bytes moved, and no more than 5 vectors here plus the
-server's 3-4); on a machine with a core per node, average's and DiLoCo's two uploads (and two
-downloads) would overlap, LSGD's upload and download cannot, so this view is the conservative
-one for them. The server is the real one (``process_main``) in a subprocess, one per rule,
-started in turn: LSGD, average, DiLoCo, a few times over, so that all see the same conditions;
-its periodic saves (``STATE_EVERY``) are off, being no part of an exchange.
-Medians over all rounds; each round is checked against the closed form on a 1M-element sample.
+other in this process; on a machine with a core per node, average's and DiLoCo's two uploads
+(and two downloads) would overlap, LSGD's upload and download cannot, so this view is the
+conservative one for them. The servers are real ones (``process_main``), one subprocess per
+rule, all three up at once; the rules' rounds alternate (in a rotating order), so that all see
+the same machine conditions on this shared VM. The servers' periodic saves (``STATE_EVERY``)
+are off, being no part of an exchange. Medians over all rounds; each round's exchanged vector
+is checked against the closed form on a 1M-element sample.
+
+Memory: the nodes' vectors are one ``NodeStore`` shared by the three rules' jobs (2 slots and
+4 buffers: 600 MB; node 1's work is done on the same vectors as node 0's, the same bytes
+moved), plus what each server touches (LSGD: its leader; average: sum and center; DiLoCo: sum,
+center and momentum): about 1.4 GB resident in all at 25M.
 
 Besides the whole round (the target), ``transfer``: the report, the uploads, the server's
 update and the downloads only (no node math, no pulls); and ``narrow``: LSGD's leader upload and
@@ -117,48 +121,66 @@ def _server(algorithm: str, n: int, in_process: bool) -> Iterator[tuple[str, int
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-class Job:
-    """Two nodes of two workers in this process, on one store, speaking to one global server.
+def node_store(n: int) -> Any:
+    """The nodes' shared memory: two slots (random weights ~ N(0, 0.05)) and every node buffer
+    the rules use, each starting at the initial model (slot 0), as a node's does. Every page is
+    touched before any timing."""
+    from lsgd.local_server.store import NodeStore, StoreLayout
+    from lsgd.rules import ops
+    from lsgd.rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM
 
-    Worker ids: node 0 has 0 and 1, node 1 has 2 and 3; slot ``w % 2``. Node 0 reports worker 0
-    as its best and leads every global round; each node's local leader is its slot 0.
+    layout = StoreLayout.new("bench", 0, n, slots=2,
+                             buffers=(LOCAL_LEADER, GLOBAL_LEADER, CENTER, SUM))
+    store = NodeStore.create(layout)
+    try:
+        rng = np.random.default_rng(0)
+        step = 1 << 22
+        for i in range(2):
+            x = store.slot(i)
+            for lo in range(0, n, step):
+                rng.standard_normal(dtype=np.float32, out=x[lo : lo + step])
+                x[lo : lo + step] *= np.float32(0.05)
+        for name in layout.buffers:
+            ops.copy_(store.buffer(name), store.slot(0))
+    except BaseException:
+        store.close(unlink=True)
+        raise
+    return store
+
+
+class Job:
+    """Two nodes of two workers in this process, speaking to one global server of a rule.
+
+    Both nodes work on one store (``node_store``; the jobs of all rules share it, each using
+    the buffers its rule names). Worker ids: node 0 has 0 and 1, node 1 has 2 and 3; slot
+    ``w % 2``. Node 0 reports worker 0 as its best and leads every global round; each node's
+    local leader is its slot 0.
     """
 
-    def __init__(self, algorithm: str, n: int, address: str) -> None:
+    def __init__(self, algorithm: str, store: Any, address: str) -> None:
         from lsgd.config import JobConfig
         from lsgd.local_server.global_client import GlobalClient
-        from lsgd.local_server.store import NodeStore, StoreLayout
+        from lsgd.rules import ops
+        from lsgd.rules.base import CENTER
 
         from .params import Node
 
         self.rule = JobConfig(algorithm=algorithm).make_rule()
-        self.n = n
-        layout = StoreLayout.new("bench", 0, n, slots=2, buffers=self.rule.node_buffers)
-        self.store = NodeStore.create(layout)
+        self.store, self.n = store, store.layout.param_count
         self.clients: list[Any] = []
         try:
-            rng = np.random.default_rng(0)
-            step = 1 << 22
-            for i in range(2):  # realistic weights; touches every page of the segment
-                x = self.store.slot(i)
-                for lo in range(0, n, step):
-                    rng.standard_normal(dtype=np.float32, out=x[lo : lo + step])
-                    x[lo : lo + step] *= np.float32(0.05)
-            for name in layout.buffers:  # every buffer starts at the initial model, as a node's
-                self.store.buffer(name)[:] = self.store.slot(0)
             for i in range(2):
                 self.clients.append(GlobalClient(address, "bench", i, round_timeout=30.0))
-                self.clients[i].join(workers=2, param_count=n, algorithm=algorithm,
+                self.clients[i].join(workers=2, param_count=self.n, algorithm=algorithm,
                                      num_groups=2, connect_timeout=30)
             self.node = Node(self.clients, participants=2)
             self.center = self.rule.exchange.value == "center"
-            k = min(SAMPLE, n)
+            k = min(SAMPLE, self.n)
             self.theta = self.state = None
-            if self.center:  # node 0 seeds the center, as at a job's start
-                from lsgd.rules.base import CENTER
-
-                self.clients[0].push(CENTER, self.store.buffer(CENTER), round_id=0)
-                self.theta = self.store.slot(0)[:k].copy()
+            if self.center:  # node 0 seeds the center with its initial model, as at a start
+                ops.copy_(store.buffer(CENTER), store.slot(0))
+                self.clients[0].push(CENTER, store.buffer(CENTER), round_id=0)
+                self.theta = store.slot(0)[:k].copy()
                 self.state = {s: np.zeros(k, np.float32) for s in self.rule.server_state}
         except BaseException:
             self.close()
@@ -167,7 +189,6 @@ class Job:
     def close(self) -> None:
         for c in self.clients:
             c.close()
-        self.store.close(unlink=True)
 
     def round(self) -> dict[str, float]:
         """One global round's exchange; returns seconds per phase. Checks it on a sample."""
@@ -181,7 +202,7 @@ class Job:
         rid = self.node.next_round(report=False)
         if self.node.kind != RoundKind.GLOBAL:
             raise RuntimeError(f"round {rid} is not a global round ({self.node.kind})")
-        local = LOCAL_LEADER in st.layout.buffers
+        local = LOCAL_LEADER in rule.node_buffers
         leader = rule.exchange == Exchange.LEADER
         weight = 0.0
         with t("node"):
@@ -236,30 +257,32 @@ class Job:
         return t.s
 
 
-def _rule_rounds(algorithm: str, n: int, rounds: int, in_process: bool) -> dict[str, Any]:
+def exchange_rounds(quick: bool, n: int = N, in_process: bool = False,
+                    rounds: int | None = None) -> dict[str, Any]:
+    """``rounds`` timed rounds of each rule (after one warm-up round each), the rules
+    alternating round by round in a rotating order; phases per round."""
+    from contextlib import ExitStack
+
     from .params import rss_anon
 
-    with _server(algorithm, n, in_process) as (address, pid):
-        job = Job(algorithm, n, address)
-        try:
-            job.round()  # warm-up: the server's buffers, the channels, the allocators
-            out = [job.round() for _ in range(rounds)]
-            server_mb = rss_anon(pid) / MB if pid else None
-        finally:
-            job.close()
-    return {"phases": out, "server_rss_mb": server_mb}
-
-
-def exchange_rounds(quick: bool, n: int = N, in_process: bool = False,
-                    passes: int | None = None, rounds: int = 3) -> dict[str, Any]:
-    """Rounds of each rule, the rules in turn ``passes`` times; phases per round."""
-    passes = passes or (1 if quick else 3)
-    out: dict[str, Any] = {r: {"phases": [], "server_rss_mb": []} for r in RULES}
-    for _ in range(passes):
+    rounds = rounds or (4 if quick else 15)
+    out: dict[str, Any] = {r: {"phases": [], "server_rss_mb": None} for r in RULES}
+    with ExitStack() as stack:
+        store = node_store(n)
+        stack.callback(store.close, unlink=True)
+        jobs, pids = {}, {}
         for r in RULES:
-            got = _rule_rounds(r, n, rounds, in_process)
-            out[r]["phases"] += got["phases"]
-            out[r]["server_rss_mb"].append(got["server_rss_mb"])
+            address, pids[r] = stack.enter_context(_server(r, n, in_process))
+            jobs[r] = Job(r, store, address)
+            stack.callback(jobs[r].close)
+        for r in RULES:
+            jobs[r].round()  # warm-up: the server's buffers, the channels, the allocators
+        for i in range(rounds):
+            for j in range(len(RULES)):
+                r = RULES[(i + j) % len(RULES)]
+                out[r]["phases"].append(jobs[r].round())
+        for r in RULES:
+            out[r]["server_rss_mb"] = rss_anon(pids[r]) / MB if pids[r] else None
     return out
 
 
@@ -319,15 +342,15 @@ def summarize(m: dict[str, Any], n: int = N) -> dict[str, dict[str, Any]]:
               "phases_ms": {k: round(1e3 * statistics.median(p[k] for p in ph), 2)
                             for k in PHASES},
               "seconds": [round(v, 4) for v in _totals(ph, PHASES)], "rounds": len(ph),
-              "server_rss_mb": [v and round(v, 1) for v in m[r]["server_rss_mb"]]}
+              "server_rss_mb": m[r]["server_rss_mb"] and round(m[r]["server_rss_mb"], 1)}
         out[r] = x
     return out
 
 
-def run(quick: bool, n: int = N, in_process: bool = False, passes: int | None = None,
-        rounds: int = 3) -> list[Result]:
+def run(quick: bool, n: int = N, in_process: bool = False,
+        rounds: int | None = None) -> list[Result]:
     load = [round(v, 2) for v in os.getloadavg()]  # other work on the machine, for the record
-    m = exchange_rounds(quick, n, in_process, passes, rounds)
+    m = exchange_rounds(quick, n, in_process, rounds)
     s = summarize(m, n)
     lsgd = s["lsgd"]
     size = f"{n / 1e6:g}M float32" if n >= 1e6 else f"{n} float32"
