@@ -162,14 +162,16 @@ class PeakSampler:
 
 
 # ---------------------------------------------------------------------------- gRPC path
-def start_server(run_dir: str) -> tuple[mp.Process, int]:
-    """The real global server process (two nodes of one worker, a global round every step)."""
+def start_server(run_dir: str, algorithm: str = "lsgd", workers: int = 1,
+                 **knobs: Any) -> tuple[mp.Process, int]:
+    """The real global server process (two nodes of ``workers`` workers, a global round every
+    step); ``knobs``: more ``JobConfig`` fields."""
     from lsgd.config import JobConfig
     from lsgd.global_server.server import process_main
 
-    config = JobConfig(num_groups=2, workers=1, l_comm=1, g_comm=1, algorithm="lsgd",
+    config = JobConfig(num_groups=2, workers=workers, l_comm=1, g_comm=1, algorithm=algorithm,
                        iterations=None, minutes=30, port=0, run_dir=run_dir, job_id="bench",
-                       round_timeout=30.0, node_timeout=30.0)
+                       round_timeout=30.0, node_timeout=30.0, **knobs)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=process_main, args=(config, child, logging.WARNING),
@@ -198,19 +200,21 @@ class Node:
     """This process acting as the job's nodes: node 0 (one worker) leads every global round.
 
     A second node (node 1, no eligible candidate) takes part so that the leader's upload is
-    needed: the server expects it only when more than one node reported.
+    needed: the server expects it only when more than one node reported. Each node reports
+    ``participants`` participants (the most a node may sum in a round).
     """
 
-    def __init__(self, clients: list[Any]) -> None:
+    def __init__(self, clients: list[Any], participants: int = 1) -> None:
         self.clients = clients
         self.client = clients[0]
+        self.participants = participants
+        self.kind = 0  # the kind of the last round opened (lsgd.rules.base.RoundKind)
         self.held = [0] * len(clients)
         self.last_round = 0
 
-    def next_round(self, timeout: float = 20.0) -> int:
-        """Use credits until a new global round opens; report (node 0 leads); its id."""
-        from lsgd.leader import Candidate
-
+    def next_round(self, timeout: float = 20.0, report: bool = True) -> int:
+        """Use credits until a new global round opens; report (node 0 leads) unless not
+        ``report``; its id."""
         end = time.monotonic() + timeout
         seen = [False] * len(self.clients)
         rid = 0
@@ -224,13 +228,21 @@ class Node:
                                 last_round_seen=self.last_round, max_wait=0.05)
                 self.held[i] = ans.grant
                 if ans.round_id > self.last_round:
-                    seen[i], rid = True, ans.round_id
+                    seen[i], rid, self.kind = True, ans.round_id, ans.round_kind
         self.last_round = rid
+        if report:
+            self.report(rid, timeout)
+        return rid
+
+    def report(self, rid: int, timeout: float = 20.0) -> None:
+        """Every node reports round ``rid`` at once (node 0 with the best candidate)."""
+        from lsgd.leader import Candidate
+
         answers: dict[int, Any] = {}
 
         def report(i: int) -> None:
             best = Candidate(0, 1.0) if i == 0 else None
-            answers[i] = self.clients[i].report_round(rid, best, 1)
+            answers[i] = self.clients[i].report_round(rid, best, self.participants)
 
         threads = [threading.Thread(target=report, args=(i,)) for i in range(1, len(self.clients))]
         for t in threads:
@@ -241,7 +253,6 @@ class Node:
         out = answers.get(0)
         if out is None or out.missed or out.leader_node != 0 or len(out.nodes) != len(self.clients):
             raise RuntimeError(f"round {rid}: this node does not lead a multi-node round ({out})")
-        return rid
 
 
 def _wire_kwargs(wire: str) -> dict[str, str]:

@@ -42,3 +42,20 @@ def test_throughput_counts_only_the_window_when_all_workers_train():
     late = {"first": 1.0, "last": 10.0, "marks": [(1 + i * 0.1, i * 10) for i in range(1, 91)]}
     assert abs(rate([fast]) / BATCH - 100) < 2  # marks every 10 steps: ~1% of edge error
     assert abs(rate([fast, late]) / BATCH - 200) < 3  # the late start does not dilute the rate
+
+
+def test_rule_exchange_benchmark_smoke():
+    """The rule-exchange rows on a tiny model with in-process servers (the benchmark checks
+    every round's exchanged vector against the closed form and raises on a mismatch)."""
+    from bench import exchange
+
+    results = exchange.run(quick=True, n=1 << 16, in_process=True, rounds=2)
+    assert {r.target for r in results} == {exchange.TARGET}
+    lsgd, average, diloco, pull = results
+    assert lsgd.metric.startswith("LSGD") and lsgd.value > 0
+    for r, name in ((average, "average"), (diloco, "diloco")):
+        assert r.metric.startswith(name) and r.baseline == lsgd.value
+        assert abs(r.ratio - r.baseline / r.value) < 0.01 and r.met == (r.ratio >= exchange.GOAL)
+        assert r.extra["rounds"] == 2 and set(r.extra["phases_ms"]) == set(exchange.PHASES)
+        assert r.extra["wire_bytes"] == 2 * lsgd.extra["wire_bytes"]  # every node up and down
+    assert pull.unit == "ms" and pull.value > 0 and pull.met is not None
