@@ -172,7 +172,7 @@ class JobConfig:
                               "pip install 'lsgd[tensorboard]'")
         self._validate_security(need)
         try:  # last: the knobs' own messages come first
-            check_rule(self.make_rule(), self.num_groups)
+            check_rule(self.make_rule(), self.num_groups, self.workers)
         except RuleError as exc:
             raise ConfigError(str(exc)) from None
         except Exception as exc:  # a rule's own check of its arguments
@@ -215,7 +215,7 @@ class JobConfig:
     def rule_spec(self) -> str:
         """The rule as every node must run it: ``algorithm``, with its ``rule_args`` if any
         (compared by the global server when a node joins)."""
-        args = self.rule_args.strip()
+        args = ",".join(sorted(p.strip() for p in self.rule_args.split(",") if p.strip()))
         return f"{self.algorithm} ({args})" if args else self.algorithm
 
     @property

@@ -89,3 +89,26 @@ def test_a_killed_global_server_goes_on_with_the_saved_diloco_momentum(cluster, 
     ev = n0.summary()["evaluation"]
     assert ev["center"]["accuracy"] > 0.9, ev  # the center and momentum went on, not from init
     assert_clean_exit(cluster.run_dir, [n0])
+
+
+@pytest.mark.timeout(180)
+def test_evaluation_rounds_of_a_rule_that_pulls_after_the_exchange_do_not_stall(cluster):
+    """EVAL_EVERY with `average`: the leader's node uploads the leader before it waits for the
+    new center (the round's exchange settles only with both); before, every evaluation round
+    waited ROUND_TIMEOUT and replaced every worker by the previous round's center."""
+    knobs = dict(NUM_GROUPS=2, WORKERS=2, ALGORITHM="average", EVAL_EVERY=1000,
+                 ITERATIONS=3000, ROUND_TIMEOUT=10)
+    t0 = time.monotonic()
+    n0 = cluster(0, PORT=0, **knobs)
+    n1 = cluster(1, PORT=cluster.port_of_node0(), **knobs)
+    assert n1.wait(150) == 0, n1.output
+    assert n0.wait(30) == 0, n0.output
+    took = time.monotonic() - t0
+    out = n0.output + n1.output
+    assert "exchange incomplete" not in out and "failed" not in out, out[-3000:]
+    import csv
+    with (cluster.run_dir / "node0" / "metrics.csv").open(newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["kind"] == "eval" and r["target"] == "center"
+                and r["metric"] == "accuracy"]
+    assert len({r["iteration"] for r in rows}) >= 3, rows  # 1024, 2048 and the final one
+    assert took < 40, f"{took:.1f} s: an evaluation round waited for ROUND_TIMEOUT"

@@ -43,14 +43,36 @@ def test_what_a_rule_pulls_is_checked_before_the_job_starts(rule, says):
     check_rule(_Pulls(), num_groups=2)  # a good one passes
 
 
-def test_a_bad_pull_strength_in_rule_args_is_a_config_error():
-    with pytest.raises(ConfigError, match=r"pull strength 1\.5 toward local_leader"):
-        JobConfig(num_groups=2, rule_args="c1=1.5")
+@pytest.mark.parametrize("knobs, says", [
+    (dict(num_groups=2, rule_args="c1=1.5"), "c1 (pulling strength) must be in [0, 1], got 1.5"),
+    (dict(algorithm="easgd", rule_args="beta=2"), "beta must be in [0, 1], got 2.0"),
+    (dict(algorithm="easgd", num_groups=2, rule_args="alpha=0.5"),
+     "alpha * workers in the job = 2 > 1 makes the EASGD center diverge"),
+    (dict(algorithm="grawa", rule_args="c2=-1"), "c2 (pulling strength toward the center)"),
+])
+def test_rule_args_meet_the_same_checks_as_the_knobs(knobs, says):
+    with pytest.raises(ConfigError, match=re.escape(says)):
+        JobConfig(**knobs)
+
+
+class _LastWorker(Rule):
+    name = "last"
+
+    def pulls(self, kind, roles):  # a bad strength only for the job's last worker
+        return [(GLOBAL_LEADER, 2.0 if roles.worker_id == 3 else 0.5)]
+
+
+def test_every_worker_of_the_job_is_asked_what_it_pulls():
+    check_rule(_LastWorker(), num_groups=1, workers=2)  # no worker 3 in this job
+    with pytest.raises(ValueError, match="pull strength 2.0"):
+        check_rule(_LastWorker(), num_groups=2, workers=2)
 
 
 def test_a_node_with_other_rule_args_is_refused_at_join():
     spec = JobConfig(rule_args="c1=0.3").rule_spec
     assert spec == "lsgd (c1=0.3)" and JobConfig().rule_spec == "lsgd"
+    assert JobConfig(rule_args=" c2=0.2, c1=0.3").rule_spec == JobConfig(
+        rule_args="c1=0.3,c2=0.2").rule_spec  # the order of RULE_ARGS does not matter
     coord = Coordinator(job_id="j", algorithm=spec, num_groups=2, workers=2,
                         schedule=Schedule(64, 256, 1000), max_seconds=None, node_timeout=5,
                         round_timeout=5, join_timeout=5, now=0.0)

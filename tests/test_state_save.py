@@ -249,3 +249,41 @@ def test_a_save_of_a_100_mb_model_streams_with_bounded_memory(tmp_path):
     store = ParamStore(EASGD(alpha=0.1))
     store.load(path)
     assert store.buffers[LEADER][::99991].tolist() == [1.5] * len(range(0, n, 99991))
+
+
+def test_a_save_while_the_first_leader_is_still_uploading_writes_no_torn_vector(tmp_path):
+    """The first state save can meet the first leader's upload: the vector being written is
+    saved as zeros marked not ready, never as torn bytes (which the next save, copying it,
+    found damaged: the server died on it)."""
+    import threading
+    import zipfile
+
+    from lsgd.global_server.params import ParamStore
+    from lsgd.rules.base import RoundKind
+    from lsgd.rules.lsgd import LSGD
+
+    n = 1 << 21
+    store = ParamStore(LSGD())
+    store.set_param_count(n)
+    path = tmp_path / "params.npz"
+    stop = threading.Event()
+    src = np.random.default_rng(0).standard_normal(n, dtype=np.float32)
+
+    def uploads() -> None:
+        rid = 0
+        while not stop.is_set() and rid < 2000:
+            rid += 1
+            store.begin(rid, RoundKind.GLOBAL, 0, {0: 1, 1: 1}, 30.0)
+            src[:16] += 1
+            store.push(0, rid, "global_leader", n, 1,
+                       ((lo, src[lo:lo + (1 << 17)].tobytes()) for lo in range(0, n, 1 << 17)))
+
+    t = threading.Thread(target=uploads, daemon=True)
+    t.start()
+    try:
+        for _ in range(30):
+            store.save(path)  # raised "member 'leader' is damaged" on the second save before
+            assert zipfile.ZipFile(path).testzip() is None
+    finally:
+        stop.set()
+        t.join(30)

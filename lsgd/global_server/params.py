@@ -38,6 +38,7 @@ class Exchange:
     leader_ok: bool = False
     summands: int = 0
     weight: float = 0.0  # of the summands (their count, for an unweighted rule)
+    center_ok: bool = True  # the center of this round is the rule's update (CENTER rules)
     participants: dict[int, int] = field(default_factory=dict)  # node -> reported in the round
     average: bool = False  # the sums make an average (final and evaluation rounds)
     sums_ok: bool = True
@@ -54,6 +55,7 @@ class ParamStore(SavedParams):
         self.param_count: int | None = None
         self.buffers: dict[str, np.ndarray] = {}
         self.state: dict[str, np.ndarray] = {}  # the rule's ``server_state`` vectors
+        self.rule_failures = 0  # rounds whose Rule.update_ failed (see _update_center)
         self.center_ready = False
         self._seeding = False
         self.exchange: Exchange | None = None
@@ -154,15 +156,39 @@ class ParamStore(SavedParams):
             if ex.average:  # SUM holds the (weighted) average from now on
                 ops.scale_(self.buffers[SUM], 1.0 / ex.weight)
             if ex.kind == RoundKind.GLOBAL and self.rule.exchange == ExchangeKind.CENTER:
-                total, weight = (self.buffers[SUM], 1.0) if ex.average else (self.buffers[SUM], ex.weight)
-                try:
-                    self.rule.update_(self.buffers[CENTER], total, weight, ex.summands, self.state)
-                except Exception as exc:  # a rule's bug must not take the server down
-                    log.exception("round %d: the rule's update_ failed; the center is kept",
-                                  ex.round_id)
-                    ex.failed.append(f"the rule's update failed: {exc}")
+                weight = 1.0 if ex.average else ex.weight
+                ex.center_ok = self._update_center(ex.round_id, self.buffers[SUM], weight,
+                                                   ex.summands)
                 self.versions[CENTER] += 2
         self._cond.notify_all()
+
+    def _update_center(self, round_id: int, total: np.ndarray, weight: float, count: int) -> bool:
+        """``Rule.update_`` (under the lock). A rule that raises or makes the center
+        non-finite does not stop the job: the center becomes the participants' mean, the
+        rule's state starts again at zero, and the error is logged. Returns whether the
+        rule's own update was used."""
+        center = self.buffers[CENTER]
+        start = time.monotonic()
+        try:
+            self.rule.update_(center, total, weight, count, self.state)
+            problem = None if ops.all_finite(center) else "made the center non-finite"
+        except Exception as exc:  # noqa: BLE001 - the user's code
+            problem = f"raised {type(exc).__name__}: {exc}"
+        took = time.monotonic() - start
+        if took > 1.0:
+            log.warning("round %d: rule %s's update_ took %.1f s under the server's lock (every "
+                        "call waits meanwhile); keep it chunked and in place", round_id,
+                        self.rule.name, took)
+        if problem is None:
+            return True
+        log.error("round %d: rule %s's update_ %s; the center is set to the participants' "
+                  "mean instead and the rule's server state to zero", round_id, self.rule.name,
+                  problem)
+        ops.mean_into_(center, total, weight)
+        for vec in self.state.values():
+            vec.fill(0.0)
+        self.rule_failures += 1
+        return ops.all_finite(center)
 
     def abort(self, why: str) -> None:
         """The job was stopped: settle the exchange in progress now (downloads waiting for it
@@ -352,6 +378,12 @@ class ParamStore(SavedParams):
             return f"!round {round_id} has no global leader ({'; '.join(ex.failed) or 'no eligible worker'})"
         if buffer == AVERAGE and not (ex.average and ex.sums_ok and ex.summands):
             return f"!round {round_id} has no average"
+        if (buffer == CENTER and ex.kind == RoundKind.GLOBAL
+                and self.rule.exchange == ExchangeKind.CENTER
+                and not (ex.sums_ok and ex.summands and ex.center_ok)):
+            # the center did not move this round: a rule that pulls toward this round's new
+            # center must not pull toward the old one (its node leaves those pulls out)
+            return f"!round {round_id} has no new center ({'; '.join(ex.failed) or 'no sums'})"
         return None
 
 

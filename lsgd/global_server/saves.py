@@ -108,8 +108,11 @@ class SavedParams:
                 copied = not live[name] and old is not None
                 if copied:
                     out.copy(old, member)
-                else:  # live; or nothing complete to save yet: saved as not ready
+                elif live[name]:
                     out.vector(member, self.buffers[name])
+                else:  # nothing complete to save yet (maybe being written now): zeros, not
+                    # ready. np.zeros maps the zero page: no memory, and no torn bytes.
+                    out.vector(member, np.zeros(self.param_count, np.float32))
                 flags.append(live[name] or (copied and old_flags[i]))
             for name, vec in self.state.items():  # with the center they were made with
                 member = state_member(name)

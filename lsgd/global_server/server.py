@@ -209,6 +209,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                                           "calls": dict(servicer.calls.counts),
                                           "refused": dict(servicer.admission.refused),
                                           "cancelled": dict(servicer.admission.cancelled),
+                                          "rule_failures": servicer.params.rule_failures,
                                           "seconds": round(time.monotonic() - t0, 3),
                                           "exit_code": code}
             summary["stop_reason"] = coord.stop_reason or why

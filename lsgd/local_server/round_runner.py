@@ -100,6 +100,9 @@ class RoundMixin:
         self.pulled_round = rid
         fresh_center = False
         if after and exchanged and joins:  # the new center first: the pulls go toward it
+            if upload:  # an evaluation round's exchange settles only with the leader in
+                self._push(source, GLOBAL_LEADER, rid)
+                upload = False
             if self._push(SUM, SUM, rid, summands=len(joins), weight=weight) and self._free(CENTER, rid):
                 fresh_center = self._pull(CENTER, CENTER, rid)
         for i in joins:

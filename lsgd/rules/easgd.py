@@ -23,6 +23,10 @@ class EASGD(Rule):
     exchange = Exchange.CENTER
 
     def __init__(self, alpha: float = 0.1, beta: float | None = None) -> None:
+        if not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"alpha (pulling strength) must be in [0, 1], got {alpha}")
+        if beta is not None and not 0.0 <= beta <= 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
         self.alpha, self.beta = alpha, beta
 
     def pulls(self, kind: RoundKind, roles: RoundRoles) -> list[tuple[str, float]]:
@@ -36,7 +40,12 @@ class EASGD(Rule):
     def from_config(cls, config, **args) -> "EASGD":
         args.setdefault("alpha", config.alpha)  # RULE_ARGS override the knobs
         args.setdefault("beta", config.beta)
-        return cls(**args)
+        rule = cls(**args)
+        most = rule.alpha * config.num_groups * config.workers
+        if rule.beta is None and most > 1.0:
+            raise ValueError(f"alpha * workers in the job = {most:g} > 1 makes the EASGD center "
+                             "diverge; lower alpha or set beta in [0, 1]")
+        return rule
 
     def update_(self, center: np.ndarray, total: np.ndarray, weight: float, count: int,
                 state: Mapping[str, np.ndarray]) -> None:

@@ -131,16 +131,19 @@ def _convert(name: str, value: str, kind: Any) -> Any:
     raise RuleError(f"rule_args: {name} must be {want}, got '{value}'")
 
 
-def check_rule(rule: Rule, num_groups: int) -> None:
+def check_rule(rule: Rule, num_groups: int, workers: int = 2) -> None:
     """What a rule says it does must be doable: its pulls name buffers the node has, with
     strengths in [0, 1]; caught at start (one line, exit 2) rather than in a worker mid-job."""
     from .base import RoundKind, RoundRoles
 
     buffers = set(rule.node_buffers)
     multi = num_groups > 1
+    total = min(num_groups * workers, 64)  # every worker of the job (of a large one, 64)
+    sample = [r for w in range(total) for r in (
+        RoundRoles(w, (w + 1) % total, (w + 2) % total, multi), RoundRoles(w, w, w, multi),
+        RoundRoles(w, None, None, multi))]
     for kind in (RoundKind.LOCAL, RoundKind.GLOBAL, RoundKind.FINAL):
-        for roles in (RoundRoles(0, 1, 1, multi), RoundRoles(1, 1, 1, multi),
-                      RoundRoles(0, None, None, multi)):
+        for roles in sample:
             try:
                 pulls = list(rule.pulls(kind, roles))
             except Exception as exc:  # noqa: BLE001 - the user's code: say where it failed

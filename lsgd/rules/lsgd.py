@@ -19,6 +19,11 @@ class LSGD(Rule):
 
     def __init__(self, c1: float = 0.1, c2: float = 0.1, p1: float = 0.0, p2: float = 0.0,
                  l_comm: int = 16, g_comm: int = 64) -> None:
+        for name, v in (("c1", c1), ("c2", c2), ("p1", p1), ("p2", p2)):
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"{name} (pulling strength) must be in [0, 1], got {v}")
+        if l_comm < 1 or g_comm < 1 or g_comm % l_comm:
+            raise ValueError(f"g_comm ({g_comm}) must be a positive multiple of l_comm ({l_comm})")
         self.c1, self.c2, self.p1, self.p2 = c1, c2, p1, p2
         self.l_comm, self.g_comm = l_comm, g_comm
 
