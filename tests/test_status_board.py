@@ -301,6 +301,8 @@ def test_snapshot_follows_a_job_through_its_rounds():
     json.dumps(snap, allow_nan=False)
     job = snap["job"]
     assert (job["id"], job["algorithm"], job["num_groups"], job["workers_per_node"]) == ("j", "lsgd", 2, 2)
+    assert job["exchange"] == "leader" and StatusBoard(2, 2, exchange="center").snapshot(
+        c, now=5.0)["job"]["exchange"] == "center"
     assert job["counter"] == c.done == 16 and job["budget"] == {"iterations": 40, "minutes": None}
     assert job["rounds"] == {"local": 1, "global": 1, "final": 0, "total": 2}
     assert snap["time"] == 123.0 and job["restarts"] == 0 and job["stop_reason"] is None

@@ -74,7 +74,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         # What the status page shows (lsgd/status/http.py reads it under the lock), failed
         # calls and bytes moved (/metrics), and the gRPC health service once serving.
         self.board = StatusBoard(coordinator.num_groups, coordinator.workers,
-                                 coordinator.started_at)
+                                 coordinator.started_at, exchange=params.rule.exchange.value)
         self.stats = RpcStats()
         self.health: Callable[[bool], None] | None = None  # set_serving(False) when the job is over
         self._over = False  # the job finished or was stopped (updated on every change)

@@ -57,8 +57,9 @@ class StatusBoard:
 
     def __init__(self, num_groups: int, workers: int, origin: float = 0.0, *,
                  rounds: int = ROUNDS, points: int = POINTS, evaluations: int = EVALUATIONS,
-                 restarts: int = 0) -> None:
+                 restarts: int = 0, exchange: str = "leader") -> None:
         self.num_groups, self.workers = num_groups, workers
+        self.exchange = exchange  # the rule's exchange: "leader" | "center" (Rule.exchange)
         self.origin = origin  # the coordinator's start, on its clock: t = now - origin
         self.restarts = restarts  # times this job's global server was started again
         self.reports: dict[int, NodeReport] = {}  # node -> its newest report
@@ -243,7 +244,8 @@ class StatusBoard:
         return {
             "time": wall,
             "job": {
-                "id": coord.job_id, "algorithm": coord.algorithm, "num_groups": coord.num_groups,
+                "id": coord.job_id, "algorithm": coord.algorithm, "exchange": self.exchange,
+                "num_groups": coord.num_groups,
                 "workers_per_node": coord.workers, "state": state, "counter": coord.done,
                 "budget": {"iterations": coord.schedule.max_iterations, "minutes": minutes},
                 "elapsed_s": round(now - coord.started_at, 3),

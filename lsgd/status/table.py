@@ -24,7 +24,8 @@ def render(status: dict) -> str:
                      f"loss {_num(leader.get('loss'))} (round {_s(leader.get('round'))}, "
                      f"iteration {_int(leader.get('iteration'))})")
     else:
-        lines.append("leader: none yet" if job.get("algorithm") != "easgd" else "leader: - (EASGD)")
+        lines.append("leader: none yet" if job.get("exchange") != "center"
+                     else "leader: none yet (the rule pulls toward a center)")
     if job.get("stop_reason"):
         lines.append(f"stopped: {_s(job.get('stop_reason'))}")
     nodes = [n for n in _list(status.get("nodes")) if isinstance(n, dict)]
