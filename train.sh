@@ -31,6 +31,7 @@ outer_lr="${OUTER_LR:-0.7}"         # DiLoCo outer learning rate (Nesterov SGD o
 outer_momentum="${OUTER_MOMENTUM:-0.9}"  # DiLoCo outer momentum
 l_comm="${L_COMM:-16}"              # local round every l_comm iterations per worker
 g_comm="${G_COMM:-64}"              # global round every g_comm iterations per worker
+sync_every="${SYNC_EVERY:-0.05}"      # asynchronous rules: least seconds between a node's syncs
 avg_size="${AVG_SIZE:-}"            # losses averaged to elect leaders (empty: l_comm / 2)
 # --- the training job ----------------------------------------------------------------------
 entry="${ENTRY:-lsgd.jobs.digits_mlp:main}"   # your code: module:function, or script.py [args]
@@ -78,7 +79,7 @@ exec "$PYTHON" -m lsgd train \
     --node-index "$1" --ip-addr "$ip_addr" --port "$port" --num-groups "$num_groups" \
     --workers "$workers" --algorithm "$algorithm" --rule-args "$rule_args" \
     --c1 "$c1" --c2 "$c2" --p1 "$p1" --p2 "$p2" --alpha "$alpha" --beta "$beta" \
-    --outer-lr "$outer_lr" --outer-momentum "$outer_momentum" --l-comm "$l_comm" --g-comm "$g_comm" --avg-size "$avg_size" \
+    --outer-lr "$outer_lr" --outer-momentum "$outer_momentum" --l-comm "$l_comm" --g-comm "$g_comm" --sync-every "$sync_every" --avg-size "$avg_size" \
     --entry "$entry" --eval-every "$eval_every" --shard "$shard" \
     --lr "$lr" --momentum "$momentum" --batch-size "$batch_size" \
     --iterations "$iterations" --minutes "$minutes" --seed "$seed" --run-dir "$run_dir" \

@@ -37,7 +37,8 @@ class JobConfig:
     port: int = _f(50051, "global server port (0: any free port, written to RUN_DIR/global.port)")
     num_groups: int = _f(1, "number of nodes in the job")
     workers: int = _f(2, "worker processes per node")
-    algorithm: str = _f("lsgd", "training rule: lsgd | easgd | average | diloco | grawa, or "
+    algorithm: str = _f("lsgd", "training rule: lsgd | easgd | average | diloco | grawa | "
+                        "easgd-async | downpour, or "
                         "your own: path/to/rule.py:Class "
                         "or package.module:Class (docs/rules.md)")
     rule_args: str = _f("", "the rule's own arguments, name=value,name=value (see its docs)")
@@ -52,6 +53,8 @@ class JobConfig:
     outer_momentum: float = _f(0.9, "DiLoCo outer momentum, in [0, 1)")
     l_comm: int = _f(16, "local round period, in iterations per worker")
     g_comm: int = _f(64, "global round period, in iterations per worker (a multiple of l_comm)")
+    sync_every: float = _f(0.05, "asynchronous rules: the least seconds between two of a node's "
+                           "exchanges with the global server (send its deltas, fetch the center)")
     avg_size: int | None = _f(None, "losses averaged for leader election: a worker's last avg_size "
                               "since its last round, all of them when fewer (default l_comm // 2)")
     lr: float = _f(0.05, "learning rate of the local optimizer")
@@ -178,6 +181,13 @@ class JobConfig:
         except Exception as exc:  # a rule's own check of its arguments
             raise ConfigError(f"algorithm '{self.algorithm}' with rule_args '{self.rule_args}': "
                               f"{type(exc).__name__}: {exc}") from None
+        need(0 <= self.sync_every <= 60 and math.isfinite(self.sync_every),
+             f"sync_every must be in [0, 60] seconds, got {self.sync_every}")
+        if not self.make_rule().synchronous:
+            for name in ("eval_every", "checkpoint_every"):
+                need(not getattr(self, name), f"{name} needs the rounds of a synchronous rule; "
+                     f"{self.algorithm} has none (set {name.upper()}=0: the center is "
+                     "evaluated at the end)")
         for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout",
                      "state_every", "reconnect_timeout"):
             v = getattr(self, name)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 LEADER, CENTER, SUM, AVERAGE = "global_leader", "center", "sum", "average"
+DELTA = "center_delta"  # asynchronous rules: added to the center (push only; deltas.py)
 HELD = (LEADER, CENTER, SUM)  # the vectors the server holds, each param_count float32
 SAVED_AS = {LEADER: "leader", CENTER: "center"}  # member names in the saved .npz
 

@@ -176,7 +176,8 @@ class Coordinator(Membership, JobStop):
         # Half a fair share of the period per request: a fast node comes back for more of what
         # is left, so nodes of different speeds share a period without revoking credits.
         live = max(1, len(self.live_nodes))
-        grant = min(want, free, max(1, math.ceil((self.target - self.period_start) / (2 * live))))
+        period = min(self.target - self.period_start, self.schedule.global_period)
+        grant = min(want, free, max(1, math.ceil(period / (2 * live))))
         node.outstanding += grant
         return Grant(grant=grant)
 

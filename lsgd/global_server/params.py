@@ -23,6 +23,7 @@ from ..wire import aligned_empty, steady_heap, wire_dtype
 from ..rules import ops
 from ..rules.base import MAX_WEIGHT, MIN_WEIGHT, RoundKind, Rule, Exchange as ExchangeKind
 from .buffers import AVERAGE, CENTER, HELD, LEADER, SUM, ParamError, _size, available_memory
+from .deltas import DeltaLedger, DeltaMixin
 from .saves import SavedParams
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Exchange:
     failed: list[str] = field(default_factory=list)
 
 
-class ParamStore(SavedParams):
+class ParamStore(DeltaMixin, SavedParams):
     """The global server's parameter buffers. Thread-safe."""
 
     def __init__(self, rule: Rule, clock: Callable[[], float] = time.monotonic) -> None:
@@ -67,6 +68,7 @@ class ParamStore(SavedParams):
         self._last_saved: int | None = None  # versions at the last save
         self._cond = threading.Condition()
         self.memory = available_memory  # bytes free for new buffers (tests replace it)
+        self.deltas = DeltaLedger()  # asynchronous rules' center deltas (deltas.py)
 
     def check_param_count(self, count: int) -> None:
         """Raise ParamError unless a node with ``count`` parameters may join."""

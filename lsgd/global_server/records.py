@@ -17,19 +17,25 @@ class CoordinatorError(Exception):
         self.code = code  # "INVALID_ARGUMENT" | "FAILED_PRECONDITION" | "NOT_FOUND"
 
 
+NO_END = 1 << 62  # the target of a job without rounds or an iteration budget
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Where the rounds fall on the global counter, and the iteration budget."""
 
     local_period: int | None  # None: no local rounds
-    global_period: int
+    global_period: int  # without rounds: still the most credits a node holds, as if it had them
     max_iterations: int | None
+    rounds: bool = True  # False: an asynchronous rule, whose only round is the final one
 
     @classmethod
     def for_job(cls, *, num_groups: int, workers: int, l_comm: int, g_comm: int,
-                local_rounds: bool, max_iterations: int | None) -> "Schedule":
+                local_rounds: bool, max_iterations: int | None,
+                rounds: bool = True) -> "Schedule":
         n = num_groups * workers
-        return cls(n * l_comm if local_rounds else None, n * g_comm, max_iterations)
+        return cls(n * l_comm if local_rounds and rounds else None, n * g_comm, max_iterations,
+                   rounds)
 
     @property
     def period(self) -> int:
@@ -44,6 +50,8 @@ class Schedule:
 
     def next_event(self, after: int) -> tuple[int, RoundKind]:
         """The first boundary strictly after ``after`` and the kind of round it triggers."""
+        if not self.rounds:  # the end of the budget (none: the time budget ends the job)
+            return (self.max_iterations if self.max_iterations is not None else NO_END), RoundKind.FINAL
         candidates = [((after // self.global_period) + 1) * self.global_period]
         if self.local_period:
             candidates.append(((after // self.local_period) + 1) * self.local_period)

@@ -55,7 +55,7 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
     schedule = Schedule.for_job(num_groups=config.num_groups, workers=config.workers,
                                 l_comm=config.l_comm, g_comm=config.g_comm,
                                 local_rounds=rule.has_local_rounds(config.num_groups),
-                                max_iterations=config.iterations)
+                                max_iterations=config.iterations, rounds=rule.synchronous)
     now = time.monotonic()
     coord = Coordinator(job_id=config.job_id, algorithm=config.rule_spec,
                         num_groups=config.num_groups, workers=config.workers, schedule=schedule,
@@ -210,6 +210,9 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                                           "refused": dict(servicer.admission.refused),
                                           "cancelled": dict(servicer.admission.cancelled),
                                           "rule_failures": servicer.params.rule_failures,
+                                          "center_deltas": {
+                                              "applied": servicer.params.deltas.applied,
+                                              "continued": servicer.params.deltas.retried},
                                           "seconds": round(time.monotonic() - t0, 3),
                                           "exit_code": code}
             summary["stop_reason"] = coord.stop_reason or why

@@ -21,14 +21,16 @@ from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..rules.base import RoundKind
 from .coordinator import Coordinator, CoordinatorError
-from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, ParamStore
+from .buffers import DELTA
+from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, ParamStore, _wire_dtype
 from .rpcstats import RpcStats
 from .status import StatusBoard
 
 log = logging.getLogger(__name__)
 
 BUFFERS = {pb.BUFFER_KIND_GLOBAL_LEADER: LEADER, pb.BUFFER_KIND_CENTER: CENTER,
-           pb.BUFFER_KIND_NODE_SUM: SUM, pb.BUFFER_KIND_AVERAGE: AVERAGE}
+           pb.BUFFER_KIND_NODE_SUM: SUM, pb.BUFFER_KIND_AVERAGE: AVERAGE,
+           pb.BUFFER_KIND_CENTER_DELTA: DELTA}
 PULLABLE = {LEADER, CENTER, AVERAGE}
 WIRES = {pb.WIRE_FORMAT_UNSPECIFIED: "float32", pb.WIRE_FORMAT_BFLOAT16: "bfloat16"}
 MAX_CREDIT_WAIT = 0.5  # seconds one AcquireCredits call may long-poll
@@ -326,8 +328,15 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 yield req.chunk.offset, req.chunk.data
 
         try:
-            self.params.push(h.node.node_index, h.round_id, buffer, h.param_count, h.summands,
-                             chunks(), wire=wire, weight=h.weight)
+            if buffer == DELTA:
+                if self.params.rule.synchronous:
+                    raise ParamError("FAILED_PRECONDITION", f"rule {self.params.rule.name} is "
+                                     "synchronous: it takes no center deltas")
+                self.params.push_delta(h.node.node_index, h.node.session, h.round_id,
+                                       h.param_count, chunks(), _wire_dtype(wire))
+            else:
+                self.params.push(h.node.node_index, h.round_id, buffer, h.param_count,
+                                 h.summands, chunks(), wire=wire, weight=h.weight)
         except ParamError as exc:
             _abort(context, exc)
         finally:

@@ -35,7 +35,8 @@ WIRE_FORMATS = {"float32": pb.WIRE_FORMAT_UNSPECIFIED, "bfloat16": pb.WIRE_FORMA
 MAX_EVALUATIONS = 64  # evaluations per heartbeat (the server's bound)
 MAX_METRIC = 64  # characters of an evaluation's metric name (the server's bound)
 BUFFER_KINDS = {"global_leader": pb.BUFFER_KIND_GLOBAL_LEADER, "center": pb.BUFFER_KIND_CENTER,
-                "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE}
+                "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE,
+                "center_delta": pb.BUFFER_KIND_CENTER_DELTA}
 
 
 class GlobalUnreachable(RuntimeError):

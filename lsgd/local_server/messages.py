@@ -79,6 +79,20 @@ class Join:
 
 
 @dataclass(frozen=True)
+class Exchange:
+    """Asynchronous rules: the worker published its parameters for an exchange (``action``,
+    from ``AsyncRule.due``) and waits for ``Exchanged``."""
+
+    local: int
+    action: int
+    loss: float  # loss estimate since its last exchange (NaN: none)
+    consumed: int
+    iterations: int
+    healthy: bool = True
+    life: int = 0  # which process of the worker sent it (see the module doc)
+
+
+@dataclass(frozen=True)
 class Done:
     """The worker finished its pulls of ``round_id``; ``distances`` maps buffer -> ||x - target||."""
 
@@ -137,6 +151,14 @@ class RoundCall:
 
     round_id: int
     kind: int
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """The exchange ran: with ``changed``, the slot holds the worker's new parameters."""
+
+    changed: bool
+    reset: bool = False  # they are the center: the worker's losses or parameters were not finite
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,10 @@ class RecoveryMixin:
         if not self.training:  # still in the handshake: the node's buffers are not set yet
             self._send(w, m.Setup(self.store.layout))
             return
-        ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
+        if self.async_node is not None:  # the node's copy of the center, which moves
+            self.async_node.restart_worker(w.local)
+        else:
+            ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
         self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
 
     def _last_words(self, w: WorkerState) -> str | None:

@@ -317,6 +317,7 @@ class RoundMixin:
     def _final_round(self, rid: int, iteration: int, joins: dict[int, m.Join], best: Candidate | None,
                      local_of: dict[int, int]) -> bool:
         assert self.store is not None
+        self._flush_async()  # an asynchronous rule's last deltas reach the center first
         self.view.wait(f"final round {rid}: electing the final leader", key="final")
         if joins:
             self._sum_slots(joins)

@@ -41,6 +41,8 @@ from ..worker.client import WorkerContext
 from ..worker.process import worker_main
 from . import messages as m
 from . import tensorboard
+from .async_node import AsyncNode, buffer_names
+from .async_rounds import AsyncMixin
 from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
@@ -65,7 +67,7 @@ IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is w
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
 
 
-class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
+class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
     """Runs one node of a job. ``run()`` returns the process exit code."""
 
     def __init__(self, config: JobConfig, address: str, log_level: int = logging.INFO,
@@ -125,6 +127,7 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         self.stop_sent_at: float | None = None  # when the workers were told to stop
         self.closing = False  # shutting down: a second Ctrl-C must not interrupt it
         self.board = tensorboard.attach(config, self.metrics)  # TENSORBOARD=1: a metrics sink
+        self.async_node: AsyncNode | None = None  # an asynchronous rule's side (async_node.py)
 
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> int:
@@ -197,6 +200,9 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         for w in procs:
             if w.proc.is_alive():
                 self._send(w, m.Stop("node shutting down"))
+        if self.async_node is not None:  # its thread uses the segment: stop it first
+            self.async_node.stop()
+            self.summary["async"] = self.async_node.stats()
         # Each worker gets STOP_GRACE from its first Stop to exit (it may still be tearing down
         # its interpreter after its last message), and at least a moment from now.
         now = time.monotonic()
@@ -334,6 +340,10 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
         if isinstance(msg, m.Progress):
             self._account(w, msg.consumed)
             return None
+        if isinstance(msg, m.Exchange):
+            self._account(w, msg.consumed)
+            self._exchange(w, msg)
+            return None
         if isinstance(msg, m.Bye):
             self._account(w, msg.consumed)
             self._gone(w, "the job is over" if self.stopping else "its training loop ended")
@@ -375,8 +385,10 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
                             "statistics); every worker must build the same model")
         ((param_count, self.stats_count, self.average_stats),) = sizes
         self.param_count = param_count
+        names = (self.rule.node_buffers if self.rule.synchronous
+                 else buffer_names(self.rule, self.cfg.workers))
         layout = StoreLayout.new(self.cfg.job_id, self.cfg.node_index, param_count, self.cfg.workers,
-                                 self.rule.node_buffers)
+                                 names)
         reclaim_stale(self.cfg.job_id, self.cfg.node_index)
         self.store = NodeStore.create(layout)
         self.layout_name = layout.name
@@ -422,6 +434,13 @@ class LocalServer(RoundMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
                         raise
             if not self._pull(CENTER, CENTER, 0):
                 raise NodeError("could not download the initial EASGD center")
+        if not self.rule.synchronous:
+            self.async_node = AsyncNode(self.rule, self.store, self.client,
+                                        moved=param_count - self.stats_count,
+                                        sync_every=self.cfg.sync_every, wire=self.cfg.wire)
+            for w in self._live():
+                self.async_node.start_worker(w.local)
+            self.async_node.start()
         self.training = True
         self.view.joined()
         log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,

@@ -210,6 +210,11 @@ class NodeView:
         self._evals_total += 1
         self._evals_dropped = self._evals_total - len(self._evals)
 
+    @property
+    def counter(self) -> int:
+        """The job's counter, as last heard."""
+        return self._counter
+
     def on_counter(self, counter: int) -> None:
         """The job's counter, from any answer of the global server."""
         with self._lock:

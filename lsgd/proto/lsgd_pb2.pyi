@@ -21,6 +21,7 @@ class BufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_KIND_CENTER: _ClassVar[BufferKind]
     BUFFER_KIND_NODE_SUM: _ClassVar[BufferKind]
     BUFFER_KIND_AVERAGE: _ClassVar[BufferKind]
+    BUFFER_KIND_CENTER_DELTA: _ClassVar[BufferKind]
 
 class WireFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -35,6 +36,7 @@ BUFFER_KIND_GLOBAL_LEADER: BufferKind
 BUFFER_KIND_CENTER: BufferKind
 BUFFER_KIND_NODE_SUM: BufferKind
 BUFFER_KIND_AVERAGE: BufferKind
+BUFFER_KIND_CENTER_DELTA: BufferKind
 WIRE_FORMAT_UNSPECIFIED: WireFormat
 WIRE_FORMAT_BFLOAT16: WireFormat
 

@@ -99,6 +99,8 @@ class Rule(ABC):
     scalars: tuple[str, ...] = ()  # per-step scalars the training loop passes to step()
     scalar_momentum: float = 0.9 ** 8  # their moving average across rounds (0: the latest value)
     server_state: tuple[str, ...] = ()  # CENTER: more vectors the global server keeps
+    synchronous: bool = True  # False: no barrier; workers exchange on their own clocks
+    # (``lsgd.rules.asynchronous.AsyncRule``), and the only round is the final one
 
     @classmethod
     def from_config(cls, config: Any, **args: Any) -> "Rule":

@@ -135,6 +135,48 @@ def elastic_center_(center: np.ndarray, total: np.ndarray, count: float, beta: f
         center[lo:hi] += d
 
 
+def elastic_exchange_(x: np.ndarray, center: np.ndarray, outbox: np.ndarray, alpha: float,
+                      chunk: int = CHUNK) -> float:
+    """Asynchronous EASGD exchange in place: ``d = alpha (x - center)``, ``x -= d``,
+    ``center += d``, ``outbox += d``. Returns ``||x - center||`` before."""
+    _check(x, center)
+    _check(x, outbox)
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    a = np.float32(alpha)
+    scratch = np.empty(min(chunk, x.size), dtype=x.dtype)
+    sq = 0.0
+    for lo in range(0, x.size, chunk):
+        hi = min(lo + chunk, x.size)
+        d = scratch[: hi - lo]
+        np.subtract(x[lo:hi], center[lo:hi], out=d)
+        sq += float(np.dot(d, d))
+        d *= a
+        x[lo:hi] -= d
+        center[lo:hi] += d
+        outbox[lo:hi] += d
+    return math.sqrt(sq)
+
+
+def push_delta_(x: np.ndarray, ref: np.ndarray, center: np.ndarray, outbox: np.ndarray,
+                scale: float = 1.0, chunk: int = CHUNK) -> None:
+    """DOWNPOUR push in place: ``d = scale (x - ref)``, ``center += d``, ``outbox += d``,
+    ``ref = x``."""
+    for other in (ref, center, outbox):
+        _check(x, other)
+    s = np.float32(scale)
+    scratch = np.empty(min(chunk, x.size), dtype=x.dtype)
+    for lo in range(0, x.size, chunk):
+        hi = min(lo + chunk, x.size)
+        d = scratch[: hi - lo]
+        np.subtract(x[lo:hi], ref[lo:hi], out=d)
+        if s != 1:
+            d *= s
+        center[lo:hi] += d
+        outbox[lo:hi] += d
+        ref[lo:hi] = x[lo:hi]
+
+
 def all_finite(x: np.ndarray, chunk: int = CHUNK) -> bool:
     """True when every element of ``x`` is finite (checked slice by slice)."""
     for lo in range(0, x.size, chunk):

@@ -26,6 +26,7 @@ import logging
 import math
 import os
 import queue
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -105,6 +106,8 @@ class Worker:
         self._evaluate: Callable[[], dict[str, float]] | None = None
         self._store: NodeStore | None = None
         self._proximal: list[tuple[str, float]] = []
+        self._due: Callable[[int, random.Random], int] | None = None  # AsyncRule.due
+        self._rng = random.Random(ctx.config.seed * 1_000_003 + self.worker_id)
         self._state: worker_state.WorkerState | None = None
         self._pulled = 0  # leading slot entries that pulls move
         self._load_state_later = False
@@ -182,6 +185,8 @@ class Worker:
         self._given = ScalarsWindow(rule.scalars, rule.scalar_momentum,
                                     {"grad_norm": source} if source else None)
         self._proximal = rule.per_step_pulls(self.config.num_groups > 1)
+        if not rule.synchronous:  # an asynchronous rule: exchanges on this worker's own clock
+            self._due = rule.due
         self._send(m.Ready(self.local_index))
         if not self._refill(m.Ask(self.local_index, 0)):  # credits for the first steps
             self._stopped = True
@@ -223,6 +228,9 @@ class Worker:
         self._window.add(loss)
         if self._proximal:
             self._proximal_step()
+        if self._due is not None and (action := self._due(self.iterations, self._rng)):
+            if not self._exchange(action):
+                return False
         self._credits -= 1
         if self._credits > 0:
             now = time.monotonic()
@@ -381,6 +389,33 @@ class Worker:
             if isinstance(msg, m.Stop):
                 return False
             raise RuntimeError(f"unexpected message in round {call.round_id}: {msg!r}")
+
+    def _exchange(self, action: int) -> bool:
+        """An asynchronous rule's exchange: publish, let the local server run it, take the
+        result. Returns False when the job ends."""
+        assert self._store is not None and self._params is not None
+        slot = self._store.slot(self.local_index)
+        self._check_replaced()
+        self._params.read_into(slot)
+        estimate, finite = self._window.read()
+        finite_slot, read = ops.finite_fingerprint(slot)
+        self._check_trained(read)
+        self._touched, self._touched_at = read, self.iterations
+        self._send(m.Exchange(self.local_index, action, estimate, self._take_unreported(),
+                              self.iterations, finite and finite_slot))
+        msg = self._get()
+        if isinstance(msg, m.Stop):
+            return False
+        if not isinstance(msg, m.Exchanged):
+            raise RuntimeError(f"expected Exchanged from the local server, got {msg!r}")
+        if msg.changed:
+            self._params.write_from(slot)
+            self._wrote(slot)
+        if msg.reset:  # diverged: it starts again from the center
+            self._window.reset()
+            self._given.reset()
+            log.warning("non-finite loss or parameters: reset to the center")
+        return True
 
     def _check_replaced(self) -> None:
         """PyTorch: the module's parameters must still be the tensors registered."""

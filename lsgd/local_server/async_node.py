@@ -1,0 +1,175 @@
+"""A node's side of an asynchronous rule: run each worker's exchange at once, and keep the node's
+copy of the center in step with the global server from a thread of its own.
+
+Buffers (node shared memory, ``lsgd.rules.asynchronous``): ``center`` (the node's copy),
+``outbox`` (deltas not sent yet), ``sending`` (the delta in flight, kept until the server took
+all of it), ``incoming`` (the center being downloaded), and the rule's per-worker vectors
+(``<name>.<local index>``).
+
+One lock covers ``center`` and ``outbox``: the node loop holds it for one worker's exchange, the
+sync thread for two vector operations per sync. A sync, at most every ``sync_every`` seconds
+and only after an exchange:
+
+1. under the lock: ``sending = outbox``, ``outbox = 0`` (skipped while a delta is still owed);
+2. send ``sending`` as delta number ``seq`` (a broken upload is sent again under the same
+   number; the server adds only what it had not: ``global_server/deltas.py``);
+3. download the center into ``incoming``;
+4. under the lock: ``center = incoming + outbox`` (the deltas made meanwhile).
+
+Nothing a worker adds is lost or added twice: it is in ``outbox``, in ``sending``, or in the
+server's center. While the server is out of reach the deltas wait in ``outbox``, and the
+workers go on exchanging with the node's copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Mapping
+
+import grpc
+import numpy as np
+
+from ..rules import ops
+from ..rules.asynchronous import INCOMING, OUTBOX, SENDING, AsyncRule
+from ..rules.base import CENTER
+from .store import NodeStore
+
+log = logging.getLogger(__name__)
+
+RETRY = 0.5  # seconds between attempts while the global server is out of reach
+
+
+def buffer_names(rule: AsyncRule, workers: int) -> tuple[str, ...]:
+    """Every node buffer of an asynchronous rule: the node's and each worker's own."""
+    return tuple(rule.node_buffers) + tuple(f"{name}.{i}" for i in range(workers)
+                                            for name in rule.worker_buffers)
+
+
+class AsyncNode:
+    """The node's part of an ``AsyncRule``."""
+
+    def __init__(self, rule: AsyncRule, store: NodeStore, client, *, moved: int,
+                 sync_every: float, wire: str = "float32") -> None:
+        self.rule, self.store, self.client = rule, store, client
+        self.moved = moved  # leading entries that exchanges move (the statistics tail is not)
+        self.sync_every, self.wire = sync_every, wire
+        self.lock = threading.Lock()
+        self.center = store.buffer(CENTER)[:moved]
+        self.outbox = store.buffer(OUTBOX)[:moved]
+        self.outbox.fill(0.0)
+        store.buffer(SENDING).fill(0.0)
+        self.seq = 0  # the newest delta number used
+        self.owed = False  # ``sending`` holds a delta the server has not taken whole
+        self.closed = False  # after the last sync: exchanges move nothing
+        self.exchanges = 0
+        self.syncs = 0
+        self.failures = 0
+        self._dirty = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ node loop
+    def mine(self, local: int) -> Mapping[str, np.ndarray]:
+        return {name: self.store.buffer(f"{name}.{local}")[:self.moved]
+                for name in self.rule.worker_buffers}
+
+    def start_worker(self, local: int) -> None:
+        """Worker ``local`` starts (again) from its slot."""
+        with self.lock:
+            self.rule.start_(self.store.slot(local)[:self.moved], self.mine(local))
+
+    def restart_worker(self, local: int) -> None:
+        """Worker ``local`` starts again (respawned) from the node's copy of the center."""
+        x = self.store.slot(local)[:self.moved]
+        with self.lock:
+            ops.copy_(x, self.center)
+            self.rule.start_(x, self.mine(local))
+
+    def exchange(self, local: int, action: int, healthy: bool) -> tuple[bool, float, bool]:
+        """Run one exchange of worker ``local`` on its slot. Returns (slot changed, distance,
+        reset). A worker whose parameters or losses are not finite is reset to the center."""
+        x = self.store.slot(local)[:self.moved]
+        with self.lock:
+            if self.closed:
+                return False, math.nan, False
+            if not healthy:
+                ops.copy_(x, self.center)
+                self.rule.start_(x, self.mine(local))
+                return True, math.nan, True
+            distance = self.rule.exchange_(action, x, self.mine(local), self)
+            self.exchanges += 1
+        self._dirty.set()
+        return True, float(distance), False
+
+    # ------------------------------------------------------------------ sync thread
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="lsgd-async-sync", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._dirty.wait(0.5):
+                continue
+            self._dirty.clear()
+            start = time.monotonic()
+            if not self.sync():
+                self._dirty.set()  # try again
+                self._stop.wait(RETRY)
+            self._stop.wait(max(0.0, self.sync_every - (time.monotonic() - start)))
+
+    def sync(self) -> bool:
+        """Send the node's deltas and fetch the center. Returns whether both went through."""
+        if not self.owed:
+            with self.lock:
+                ops.copy_(self.store.buffer(SENDING)[:self.moved], self.outbox)
+                self.outbox.fill(0.0)
+                self.seq += 1
+                self.owed = True
+        try:
+            self.client.push("center_delta", self.store.buffer(SENDING), self.seq, wire="float32")
+            self.owed = False
+            self.client.pull(CENTER, self.store.buffer(INCOMING), 0, wire=self.wire)
+        except (grpc.RpcError, ValueError) as exc:
+            self.failures += 1
+            details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            log.log(logging.WARNING if self.failures in (1, 10, 100) else logging.DEBUG,
+                    "exchange with the global server failed (%d so far; deltas wait on the "
+                    "node): %s", self.failures, details)
+            return False
+        with self.lock:
+            incoming = self.store.buffer(INCOMING)[:self.moved]
+            np.add(incoming, self.outbox, out=self.center)
+        self.syncs += 1
+        return True
+
+    def stop(self) -> None:
+        """Stop the sync thread (what it has not sent stays unsent)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+
+    def flush(self, timeout: float) -> bool:
+        """The job ends: stop the thread, send what is left (within ``timeout`` s), and move
+        nothing more. Returns whether every delta reached the global server."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        with self.lock:
+            self.closed = True
+        end = time.monotonic() + timeout
+        while self.owed or np.any(self.outbox):
+            if self.sync():
+                continue
+            if time.monotonic() >= end:
+                log.warning("the node's last center deltas did not reach the global server "
+                            "within %g s", timeout)
+                return False
+            time.sleep(RETRY)
+        return True
+
+    def stats(self) -> dict:
+        return {"exchanges": self.exchanges, "syncs": self.syncs, "sync_failures": self.failures,
+                "deltas_sent": self.seq - int(self.owed)}
