@@ -7,6 +7,7 @@ import os
 
 LEADER, CENTER, SUM, AVERAGE = "global_leader", "center", "sum", "average"
 DELTA = "center_delta"  # asynchronous rules: added to the center (push only; deltas.py)
+MAIL = "mail"  # gossip rules: messages between nodes (mail.py)
 HELD = (LEADER, CENTER, SUM)  # the vectors the server holds, each param_count float32
 SAVED_AS = {LEADER: "leader", CENTER: "center"}  # member names in the saved .npz
 

@@ -24,6 +24,7 @@ from ..rules import ops
 from ..rules.base import MAX_WEIGHT, MIN_WEIGHT, RoundKind, Rule, Exchange as ExchangeKind
 from .buffers import AVERAGE, CENTER, HELD, LEADER, SUM, ParamError, _size, available_memory
 from .deltas import DeltaLedger, DeltaMixin
+from .mail import Mailboxes
 from .saves import SavedParams
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class ParamStore(DeltaMixin, SavedParams):
         self._cond = threading.Condition()
         self.memory = available_memory  # bytes free for new buffers (tests replace it)
         self.deltas = DeltaLedger()  # asynchronous rules' center deltas (deltas.py)
+        self.mail: Mailboxes | None = None  # gossip rules' mail between nodes (mail.py)
 
     def check_param_count(self, count: int) -> None:
         """Raise ParamError unless a node with ``count`` parameters may join."""
@@ -109,6 +111,7 @@ class ParamStore(DeltaMixin, SavedParams):
             self.buffers.update(buffers)
             self.state = {n: self.buffers[f"state.{n}"] for n in self.rule.server_state}
             self.param_count = count
+            self.mail = Mailboxes(count, self.memory)
 
     def set_param_count(self, count: int) -> None:
         """Fix the model size (``reserve`` + ``install``); later joins must match."""

@@ -213,6 +213,10 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                                           "center_deltas": {
                                               "applied": servicer.params.deltas.applied,
                                               "continued": servicer.params.deltas.retried},
+                                          "mail": None if servicer.params.mail is None else {
+                                              "posted": servicer.params.mail.posted,
+                                              "delivered": servicer.params.mail.delivered,
+                                              "weight_held": servicer.params.mail.weights_held()},
                                           "seconds": round(time.monotonic() - t0, 3),
                                           "exit_code": code}
             summary["stop_reason"] = coord.stop_reason or why

@@ -21,7 +21,7 @@ from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..rules.base import RoundKind
 from .coordinator import Coordinator, CoordinatorError
-from .buffers import DELTA
+from .buffers import DELTA, MAIL
 from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, ParamStore, _wire_dtype
 from .rpcstats import RpcStats
 from .status import StatusBoard
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 BUFFERS = {pb.BUFFER_KIND_GLOBAL_LEADER: LEADER, pb.BUFFER_KIND_CENTER: CENTER,
            pb.BUFFER_KIND_NODE_SUM: SUM, pb.BUFFER_KIND_AVERAGE: AVERAGE,
-           pb.BUFFER_KIND_CENTER_DELTA: DELTA}
-PULLABLE = {LEADER, CENTER, AVERAGE}
+           pb.BUFFER_KIND_CENTER_DELTA: DELTA, pb.BUFFER_KIND_MAIL: MAIL}
+PULLABLE = {LEADER, CENTER, AVERAGE, MAIL}
 WIRES = {pb.WIRE_FORMAT_UNSPECIFIED: "float32", pb.WIRE_FORMAT_BFLOAT16: "bfloat16"}
 MAX_CREDIT_WAIT = 0.5  # seconds one AcquireCredits call may long-poll
 DEFAULT_CHUNK = 1 << 17  # elements per download chunk when the client names none (512 KiB)
@@ -328,7 +328,9 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 yield req.chunk.offset, req.chunk.data
 
         try:
-            if buffer == DELTA:
+            if buffer == MAIL:
+                self._post_mail(h, chunks(), wire)
+            elif buffer == DELTA:
                 if self.params.rule.synchronous:
                     raise ParamError("FAILED_PRECONDITION", f"rule {self.params.rule.name} is "
                                      "synchronous: it takes no center deltas")
@@ -359,6 +361,9 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         if not 1 <= chunk <= MAX_CHUNK:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
+        if buffer == MAIL:
+            yield from self._deliver_mail(request, chunk, context)
+            return
         sent = 0
         try:
             for offset, data in self.params.pull(request.round_id, buffer, chunk,
@@ -367,6 +372,42 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 sent += len(data)
         except ParamError as exc:
             _abort(context, exc)
+        finally:
+            self.stats.moved(sent=sent)
+
+    def _post_mail(self, h: pb.PushHeader, chunks, wire: str) -> None:
+        """A gossip rule's mail for a random other node (``mail.py``)."""
+        if not getattr(self.params.rule, "gossip", False) or self.params.mail is None:
+            raise ParamError("FAILED_PRECONDITION", f"rule {self.params.rule.name} sends no mail")
+        if h.param_count != self.params.param_count:
+            raise ParamError("INVALID_ARGUMENT", f"mail of {h.param_count} parameters; the "
+                             f"job's model has {self.params.param_count}")
+        with self.cond:
+            live = [n.index for n in self.coord.live_nodes]
+        self.params.mail.post(h.node.node_index, h.node.session, h.round_id, h.weight, live,
+                              chunks, _wire_dtype(wire))
+
+    def _deliver_mail(self, request: pb.PullParamsRequest, chunk: int,
+                      context: grpc.ServicerContext) -> Iterator[pb.ParamChunk]:
+        """This node's mail, delivery ``round_id`` (``mail.py``); float32 on the wire."""
+        try:
+            if not getattr(self.params.rule, "gossip", False) or self.params.mail is None:
+                raise ParamError("FAILED_PRECONDITION", f"rule {self.params.rule.name} sends no mail")
+            if request.wire_format != pb.WIRE_FORMAT_UNSPECIFIED:
+                raise ParamError("INVALID_ARGUMENT", "mail is sent as float32")
+            vec, weight = self.params.mail.take(request.node.node_index, request.node.session,
+                                                request.round_id)
+        except ParamError as exc:
+            _abort(context, exc)
+        if vec is None:
+            yield pb.ParamChunk(offset=0, data=b"", weight=0.0)
+            return
+        sent = 0
+        try:
+            for lo in range(0, vec.size, chunk):
+                data = vec[lo : lo + chunk].tobytes()
+                yield pb.ParamChunk(offset=lo, data=data, weight=weight if lo == 0 else 0.0)
+                sent += len(data)
         finally:
             self.stats.moved(sent=sent)
 

@@ -27,14 +27,13 @@ import logging
 import math
 import threading
 import time
-from typing import Mapping
-
 import grpc
 import numpy as np
 
 from ..rules import ops
-from ..rules.asynchronous import INCOMING, OUTBOX, SENDING, AsyncRule
-from ..rules.base import CENTER
+from ..rules.asynchronous import INCOMING, OUTBOX, SENDING, AsyncRule, Mine
+from ..rules.base import CENTER, GLOBAL_LEADER
+from .mailroom import MailRoom
 from .store import NodeStore
 
 log = logging.getLogger(__name__)
@@ -52,15 +51,22 @@ class AsyncNode:
     """The node's part of an ``AsyncRule``."""
 
     def __init__(self, rule: AsyncRule, store: NodeStore, client, *, moved: int,
-                 sync_every: float, wire: str = "float32") -> None:
+                 sync_every: float, wire: str = "float32", job_workers: int = 1) -> None:
         self.rule, self.store, self.client = rule, store, client
         self.moved = moved  # leading entries that exchanges move (the statistics tail is not)
         self.sync_every, self.wire = sync_every, wire
         self.lock = threading.Lock()
-        self.center = store.buffer(CENTER)[:moved]
-        self.outbox = store.buffer(OUTBOX)[:moved]
-        self.outbox.fill(0.0)
-        store.buffer(SENDING).fill(0.0)
+        has = set(store.layout.buffers)
+        self.center = store.buffer(CENTER)[:moved] if CENTER in has else None
+        self.outbox = store.buffer(OUTBOX)[:moved] if OUTBOX in has else None
+        if self.outbox is not None:
+            self.outbox.fill(0.0)
+            store.buffer(SENDING).fill(0.0)
+        self.scalars: dict[int, dict] = {i: {} for i in range(store.layout.slots)}
+        self.mailroom = (MailRoom(store, client, self.lock, moved=moved,
+                                  workers=store.layout.slots, job_workers=job_workers)
+                         if rule.gossip else None)
+        self.last_good: int | None = None  # the worker whose slot last passed an exchange
         self.seq = 0  # the newest delta number used
         self.owed = False  # ``sending`` holds a delta the server has not taken whole
         self.closed = False  # after the last sync: exchanges move nothing
@@ -72,9 +78,19 @@ class AsyncNode:
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ node loop
-    def mine(self, local: int) -> Mapping[str, np.ndarray]:
-        return {name: self.store.buffer(f"{name}.{local}")[:self.moved]
-                for name in self.rule.worker_buffers}
+    def mine(self, local: int) -> Mine:
+        return Mine(local, {name: self.store.buffer(f"{name}.{local}")[:self.moved]
+                            for name in self.rule.worker_buffers}, self.scalars[local])
+
+    # NodeSide of a gossip rule (called by the rule, under the lock)
+    def post(self, x: np.ndarray, weight: float) -> None:
+        self.mailroom.post(self._current, x, weight)
+
+    def mail(self, mine: Mine) -> tuple[np.ndarray, float]:
+        return self.mailroom.mail(mine)
+
+    def clear_mail(self, mine: Mine) -> None:
+        self.mailroom.clear(mine)
 
     def start_worker(self, local: int) -> None:
         """Worker ``local`` starts (again) from its slot."""
@@ -82,11 +98,22 @@ class AsyncNode:
             self.rule.start_(self.store.slot(local)[:self.moved], self.mine(local))
 
     def restart_worker(self, local: int) -> None:
-        """Worker ``local`` starts again (respawned) from the node's copy of the center."""
+        """Worker ``local`` starts again (respawned) from the node's copy of the center; with
+        no center (gossip), from its slot: its parameters at its last exchange."""
         x = self.store.slot(local)[:self.moved]
         with self.lock:
-            ops.copy_(x, self.center)
+            if self.center is not None:
+                ops.copy_(x, self.center)
             self.rule.start_(x, self.mine(local))
+
+    def _fallback(self) -> np.ndarray:
+        """What a diverged worker is reset to: the center; with none, the newest parameters
+        that passed an exchange on this node (else the initial model)."""
+        if self.center is not None:
+            return self.center
+        if self.last_good is not None:
+            return self.store.slot(self.last_good)[:self.moved]
+        return self.store.buffer(GLOBAL_LEADER)[:self.moved]
 
     def exchange(self, local: int, action: int, healthy: bool) -> tuple[bool, float, bool]:
         """Run one exchange of worker ``local`` on its slot. Returns (slot changed, distance,
@@ -96,11 +123,13 @@ class AsyncNode:
             if self.closed:
                 return False, math.nan, False
             if not healthy:
-                ops.copy_(x, self.center)
+                ops.copy_(x, self._fallback())
                 self.rule.start_(x, self.mine(local))
                 return True, math.nan, True
+            self._current = local
             distance = self.rule.exchange_(action, x, self.mine(local), self)
             self.exchanges += 1
+            self.last_good = local
         self._dirty.set()
         return True, float(distance), False
 
@@ -111,7 +140,8 @@ class AsyncNode:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self._dirty.wait(0.5):
+            # Gossip: mail from other nodes comes whether or not this node's workers exchange.
+            if not self._dirty.wait(0.5) and self.mailroom is None:
                 continue
             self._dirty.clear()
             start = time.monotonic()
@@ -121,29 +151,43 @@ class AsyncNode:
             self._stop.wait(max(0.0, self.sync_every - (time.monotonic() - start)))
 
     def sync(self) -> bool:
-        """Send the node's deltas and fetch the center. Returns whether both went through."""
+        """Send the node's deltas and fetch the center (gossip: send and take mail). Returns
+        whether it all went through."""
+        try:
+            if self.mailroom is not None:
+                self.mailroom.sync()
+            else:
+                self._sync_center()
+        except (grpc.RpcError, ValueError) as exc:
+            self.failures += 1
+            details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            log.log(logging.WARNING if self.failures in (1, 10, 100) else logging.DEBUG,
+                    "exchange with the global server failed (%d so far; nothing is lost, it "
+                    "waits on the node): %s", self.failures, details)
+            return False
+        self.syncs += 1
+        return True
+
+    @property
+    def pending(self) -> bool:
+        """Something of this node has not reached the global server yet."""
+        if self.mailroom is not None:
+            return self.mailroom.pending
+        return self.owed or bool(np.any(self.outbox))
+
+    def _sync_center(self) -> None:
         if not self.owed:
             with self.lock:
                 ops.copy_(self.store.buffer(SENDING)[:self.moved], self.outbox)
                 self.outbox.fill(0.0)
                 self.seq += 1
                 self.owed = True
-        try:
-            self.client.push("center_delta", self.store.buffer(SENDING), self.seq, wire="float32")
-            self.owed = False
-            self.client.pull(CENTER, self.store.buffer(INCOMING), 0, wire=self.wire)
-        except (grpc.RpcError, ValueError) as exc:
-            self.failures += 1
-            details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
-            log.log(logging.WARNING if self.failures in (1, 10, 100) else logging.DEBUG,
-                    "exchange with the global server failed (%d so far; deltas wait on the "
-                    "node): %s", self.failures, details)
-            return False
+        self.client.push("center_delta", self.store.buffer(SENDING), self.seq, wire="float32")
+        self.owed = False
+        self.client.pull(CENTER, self.store.buffer(INCOMING), 0, wire=self.wire)
         with self.lock:
             incoming = self.store.buffer(INCOMING)[:self.moved]
             np.add(incoming, self.outbox, out=self.center)
-        self.syncs += 1
-        return True
 
     def stop(self) -> None:
         """Stop the sync thread (what it has not sent stays unsent)."""
@@ -160,8 +204,10 @@ class AsyncNode:
         with self.lock:
             self.closed = True
         end = time.monotonic() + timeout
-        while self.owed or np.any(self.outbox):
+        take = self.mailroom is not None  # gossip: take this node's mail once more, too
+        while take or self.pending:
             if self.sync():
+                take = False
                 continue
             if time.monotonic() >= end:
                 log.warning("the node's last center deltas did not reach the global server "
@@ -171,5 +217,10 @@ class AsyncNode:
         return True
 
     def stats(self) -> dict:
-        return {"exchanges": self.exchanges, "syncs": self.syncs, "sync_failures": self.failures,
-                "deltas_sent": self.seq - int(self.owed)}
+        out = {"exchanges": self.exchanges, "syncs": self.syncs, "sync_failures": self.failures}
+        if self.mailroom is None:
+            return out | {"deltas_sent": self.seq - int(self.owed)}
+        room = self.mailroom
+        return out | {"mail_sent": room.sent - int(room.owed), "mail_received": room.received,
+                      "weights": {i: s.get("weight") for i, s in self.scalars.items()},
+                      "mail_weight": room.weights()}

@@ -36,7 +36,7 @@ MAX_EVALUATIONS = 64  # evaluations per heartbeat (the server's bound)
 MAX_METRIC = 64  # characters of an evaluation's metric name (the server's bound)
 BUFFER_KINDS = {"global_leader": pb.BUFFER_KIND_GLOBAL_LEADER, "center": pb.BUFFER_KIND_CENTER,
                 "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE,
-                "center_delta": pb.BUFFER_KIND_CENTER_DELTA}
+                "center_delta": pb.BUFFER_KIND_CENTER_DELTA, "mail": pb.BUFFER_KIND_MAIL}
 
 
 class GlobalUnreachable(RuntimeError):
@@ -279,6 +279,37 @@ class GlobalClient:
             stream.cancel()  # no-op once complete; stops the server early on a bad chunk
         if pos != out.size:
             raise ValueError(f"download of {buffer} ended at {pos} of {out.size} elements")
+
+    def push_mail(self, vec: np.ndarray, number: int, weight: float) -> None:
+        """Send a gossip rule's mail ``number`` (``vec`` = sum of weight * x) to a random
+        other node (``global_server/mail.py``)."""
+        self.push("mail", vec, number, weight=weight)
+
+    def pull_mail(self, number: int, out: np.ndarray) -> float:
+        """Delivery ``number`` of this node's mail into ``out``; returns its weight (0: no
+        mail, ``out`` untouched)."""
+        stream = self._stub.PullParams(
+            pb.PullParamsRequest(node=self._node(), round_id=number, buffer=pb.BUFFER_KIND_MAIL,
+                                 chunk_elements=PULL_CHUNK),
+            timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
+        pos, weight = 0, None
+        try:
+            for chunk in stream:
+                if weight is None:
+                    weight = chunk.weight
+                    if weight == 0.0:
+                        return 0.0
+                n = len(chunk.data) // 4
+                if chunk.offset != pos or len(chunk.data) % 4 or pos + n > out.size:
+                    raise ValueError(f"bad mail chunk at {chunk.offset} for {out.size} at {pos}")
+                out[pos : pos + n] = np.frombuffer(chunk.data, "<f4")
+                pos += n
+        finally:
+            stream.cancel()
+        if weight is None or pos != out.size or not (0.0 < weight <= 1.0 + 1e-6):
+            raise ValueError(f"mail delivery {number} ended at {pos} of {out.size} elements "
+                             f"(weight {weight})")
+        return weight
 
 
 def _varint(v: int) -> bytes:

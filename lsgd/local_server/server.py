@@ -202,7 +202,10 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
                 self._send(w, m.Stop("node shutting down"))
         if self.async_node is not None:  # its thread uses the segment: stop it first
             self.async_node.stop()
-            self.summary["async"] = self.async_node.stats()
+            stats = self.async_node.stats()
+            if "weights" in stats:  # gossip: by worker id
+                stats["weights"] = {self.cfg.worker_id(i): w for i, w in stats["weights"].items()}
+            self.summary["async"] = stats
         # Each worker gets STOP_GRACE from its first Stop to exit (it may still be tearing down
         # its interpreter after its last message), and at least a moment from now.
         now = time.monotonic()
@@ -437,7 +440,8 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         if not self.rule.synchronous:
             self.async_node = AsyncNode(self.rule, self.store, self.client,
                                         moved=param_count - self.stats_count,
-                                        sync_every=self.cfg.sync_every, wire=self.cfg.wire)
+                                        sync_every=self.cfg.sync_every, wire=self.cfg.wire,
+                                        job_workers=self.cfg.total_workers)
             for w in self._live():
                 self.async_node.start_worker(w.local)
             self.async_node.start()

@@ -22,6 +22,7 @@ class BufferKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BUFFER_KIND_NODE_SUM: _ClassVar[BufferKind]
     BUFFER_KIND_AVERAGE: _ClassVar[BufferKind]
     BUFFER_KIND_CENTER_DELTA: _ClassVar[BufferKind]
+    BUFFER_KIND_MAIL: _ClassVar[BufferKind]
 
 class WireFormat(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -37,6 +38,7 @@ BUFFER_KIND_CENTER: BufferKind
 BUFFER_KIND_NODE_SUM: BufferKind
 BUFFER_KIND_AVERAGE: BufferKind
 BUFFER_KIND_CENTER_DELTA: BufferKind
+BUFFER_KIND_MAIL: BufferKind
 WIRE_FORMAT_UNSPECIFIED: WireFormat
 WIRE_FORMAT_BFLOAT16: WireFormat
 
@@ -305,12 +307,14 @@ class PushParamsResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class ParamChunk(_message.Message):
-    __slots__ = ("offset", "data")
+    __slots__ = ("offset", "data", "weight")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     offset: int
     data: bytes
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    weight: float
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class PullParamsRequest(_message.Message):
     __slots__ = ("node", "round_id", "buffer", "chunk_elements", "wire_format")

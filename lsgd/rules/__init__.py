@@ -13,11 +13,12 @@ from .diloco import DiLoCo
 from .downpour import Downpour
 from .easgd import EASGD
 from .easgd_async import AsyncEASGD
+from .gosgd import GoSGD
 from .grawa import GRAWA
 from .lsgd import LSGD
 
 RULES: dict[str, type[Rule]] = {r.name: r for r in (LSGD, EASGD, Average, DiLoCo, GRAWA,
-                                                     AsyncEASGD, Downpour)}
+                                                     AsyncEASGD, Downpour, GoSGD)}
 
 __all__ = ["AsyncEASGD", "AsyncRule", "Average", "Downpour", "CENTER", "DiLoCo", "EASGD", "GLOBAL_LEADER", "GRAWA", "LOCAL_LEADER", "LSGD", "RULES", "Contribution",
-           "Exchange", "RoundKind", "RoundRoles", "Rule", "RuleError"]
+           "Exchange", "GoSGD", "RoundKind", "RoundRoles", "Rule", "RuleError"]

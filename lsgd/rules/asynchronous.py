@@ -16,8 +16,16 @@ What a node offers the rule (``NodeSide``):
   global server (``BUFFER_KIND_CENTER_DELTA``), which adds it to the center chunk by chunk,
   exactly once, and downloads the center again (``lsgd/local_server/async_node.py``).
 
-and per worker, the vectors the rule names in ``worker_buffers`` (DOWNPOUR's parameters at the
-worker's last push), set by ``start_`` when the worker starts or starts again.
+and per worker, ``mine``: the vectors the rule names in ``worker_buffers`` (DOWNPOUR's
+parameters at the worker's last push) and ``mine.scalars``, numbers of the rule's own kept by
+the node (GoSGD's weight), both set by ``start_`` when the worker starts or starts again (a
+respawned worker keeps its scalars).
+
+A *gossip* rule (``gossip = True``: GoSGD) has no center: workers send each other messages
+through the node, which offers ``post(x, weight)`` (send ``weight * x`` and ``weight`` to a
+random other worker of the job: on this node at once, on another through the global server,
+``lsgd/local_server/mailroom.py``) and ``mail(mine)`` / ``clear_mail(mine)`` (what a worker
+received: the sum of ``weight * x`` over its messages, and their total weight).
 
 Staleness: workers of one node see each other's deltas at once; deltas of other nodes arrive
 with the node's next download of the center (every ``SYNC_EVERY`` seconds at most, default
@@ -36,14 +44,31 @@ from .base import CENTER, GLOBAL_LEADER, SUM, Exchange, RoundKind, RoundRoles, R
 
 OUTBOX = "outbox"  # this node's deltas to the center, not sent yet
 SENDING = "sending"  # the deltas being sent (kept until the server took them all)
-INCOMING = "incoming"  # the center being downloaded
+INCOMING = "incoming"  # the center (or a gossip rule's mail) being downloaded
+OUTMAIL = "outmail"  # gossip: mail for workers of other nodes, not sent yet
+MAILSEND = "mailsend"  # gossip: the mail being sent
+MAIL = "mail"  # gossip, per worker: what it received (sum of weight * x)
+
+
+class Mine(dict):
+    """One worker's part of the node: its ``worker_buffers`` by name, and ``scalars``."""
+
+    def __init__(self, local: int, buffers: Mapping[str, np.ndarray], scalars: dict) -> None:
+        super().__init__(buffers)
+        self.local, self.scalars = local, scalars
 
 
 class NodeSide(Protocol):
-    """The node's buffers an ``AsyncRule`` works on (see the module doc)."""
+    """The node's buffers and services an ``AsyncRule`` works with (see the module doc)."""
 
-    center: np.ndarray
+    center: np.ndarray  # center rules
     outbox: np.ndarray
+
+    def post(self, x: np.ndarray, weight: float) -> None: ...  # gossip rules
+
+    def mail(self, mine: Mine) -> tuple[np.ndarray, float]: ...
+
+    def clear_mail(self, mine: Mine) -> None: ...
 
 
 class AsyncRule(Rule):
@@ -51,6 +76,7 @@ class AsyncRule(Rule):
 
     synchronous = False
     exchange = Exchange.CENTER
+    gossip = False  # True: no center; workers send each other mail (post / mail)
     worker_buffers: tuple[str, ...] = ()  # per-worker vectors in node memory
 
     @property
@@ -62,13 +88,12 @@ class AsyncRule(Rule):
         due, else the action to pass ``exchange_`` (a positive int of the rule's own)."""
         return 0
 
-    def start_(self, x: np.ndarray, mine: Mapping[str, np.ndarray]) -> None:
+    def start_(self, x: np.ndarray, mine: Mine) -> None:
         """A worker starts, or starts again (respawned, reset) from ``x``: set its
         ``worker_buffers``."""
 
     @abstractmethod
-    def exchange_(self, action: int, x: np.ndarray, mine: Mapping[str, np.ndarray],
-                  node: NodeSide) -> float:
+    def exchange_(self, action: int, x: np.ndarray, mine: Mine, node: NodeSide) -> float:
         """On the node, for one worker, with no other exchange of the node running: change
         ``x`` (the worker's parameters, written back into its model), the node's ``center``
         and ``outbox`` in place. Returns the distance ``||x - center||`` before (NaN: none)."""

@@ -211,3 +211,28 @@ def finite_fingerprint(x: np.ndarray, chunk: int = CHUNK, finite: bool = True) -
         if even != c.size:
             total += int(c[even:].view(np.uint32)[0])
     return ok, total & 0xFFFF_FFFF_FFFF_FFFF
+
+
+def merge_(x: np.ndarray, weight: float, mail: np.ndarray, mail_weight: float,
+           chunk: int = CHUNK) -> float:
+    """Push-sum merge in place: ``x <- (weight * x + mail) / (weight + mail_weight)``, where
+    ``mail`` is a sum of ``w_k * x_k`` of total weight ``mail_weight``. Returns the distance
+    ``||x - mail / mail_weight||`` before."""
+    _check(x, mail)
+    if not (weight > 0 and mail_weight > 0):
+        raise ValueError(f"merge needs positive weights, got {weight} and {mail_weight}")
+    a = np.float32(weight / (weight + mail_weight))
+    b = np.float32(1.0 / (weight + mail_weight))
+    inv = np.float32(1.0 / mail_weight)
+    scratch = np.empty(min(chunk, x.size), dtype=x.dtype)
+    sq = 0.0
+    for lo in range(0, x.size, chunk):
+        hi = min(lo + chunk, x.size)
+        d = scratch[: hi - lo]
+        np.multiply(mail[lo:hi], inv, out=d)  # the mail's mean
+        np.subtract(x[lo:hi], d, out=d)
+        sq += float(np.dot(d, d))
+        x[lo:hi] *= a
+        np.multiply(mail[lo:hi], b, out=d)
+        x[lo:hi] += d
+    return math.sqrt(sq)
