@@ -276,6 +276,9 @@ class DigitsMLP:
         updates = []
         for p, v, g in zip(self.params, self.velocities, grads, strict=True):
             step = self._lr * g
+            if not mu:  # plain SGD: PyTensor's graph of ``0 * v`` runs ~45x slower per step
+                updates.append((p, p - step))
+                continue
             v_new = mu * v - step
             updates.append((v, v_new))
             updates.append((p, p + mu * v_new - step))
