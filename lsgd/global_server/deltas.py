@@ -31,6 +31,7 @@ class _Record:
     seq: int  # the newest delta number seen from this node session
     applied: int  # leading elements of that delta already added to the center
     busy: bool  # an upload of it is being received
+    done: bool = False  # that delta was applied in full
 
 
 class DeltaLedger:
@@ -58,8 +59,10 @@ class DeltaLedger:
         if rec.busy:
             raise ParamError("ABORTED", f"node {node} is already uploading delta {rec.seq}")
         if seq == rec.seq + 1:
-            rec.seq, rec.applied, rec.busy = seq, 0, True
+            rec.seq, rec.applied, rec.busy, rec.done = seq, 0, True, False
             return 0
+        if seq == rec.seq and rec.done:
+            return None  # applied in full; the answer to the node was lost: nothing to do
         if seq == rec.seq:
             rec.busy = True
             self.retried += 1
@@ -77,6 +80,7 @@ class DeltaLedger:
         rec = self._records[node]
         rec.busy = False
         if complete:
+            rec.done = True
             self.applied += 1
 
 
