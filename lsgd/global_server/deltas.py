@@ -3,8 +3,8 @@
 A node of an asynchronous rule (``lsgd.rules.asynchronous``) sends what its workers added to
 the center since its last upload, numbered 1, 2, ... per node session (``PushHeader.round_id``).
 Each chunk is added under the store's lock, so concurrent uploads of several nodes never lose an
-update (a download meanwhile sees each chunk before or after a delta, never half of one), and
-nothing waits for a barrier. An upload that breaks midway has added its first chunks: the node
+update, and nothing waits for a barrier. A download meanwhile is not held back: it may see a
+delta in part (each element whole, before or after), as in Hogwild-style parameter servers. An upload that breaks midway has added its first chunks: the node
 sends the same delta again under the same number, and ``DeltaLedger`` tells the store how many
 leading elements to skip, so every element of every delta is added once.
 

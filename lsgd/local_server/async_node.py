@@ -198,12 +198,12 @@ class AsyncNode:
     def flush(self, timeout: float) -> bool:
         """The job ends: stop the thread, send what is left (within ``timeout`` s), and move
         nothing more. Returns whether every delta reached the global server."""
+        end = time.monotonic() + timeout
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
         with self.lock:
             self.closed = True
-        end = time.monotonic() + timeout
         take = self.mailroom is not None  # gossip: take this node's mail once more, too
         while take or self.pending:
             if self.sync():
