@@ -187,8 +187,8 @@ def test_the_docs_test_kit_examples_run(monkeypatch):
     monkeypatch.syspath_prepend(str(TUTORIAL.parent))  # "examples/rules on sys.path"
     text = DOCS.read_text()
     examples = [m.group(1) for m in re.finditer(r"(?<!-->\n)```python\n(.*?)```", text, re.S)
-                if "RoundDriver(" in m.group(1)]
-    assert len(examples) >= 2
+                if "RoundDriver(" in m.group(1) or "AsyncDriver(" in m.group(1)]
+    assert len(examples) >= 3
     for code in examples:
         exec(compile(code, "docs/rules.md", "exec"), {})
 

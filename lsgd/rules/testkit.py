@@ -11,6 +11,9 @@ one round at a time, in the same order (elect, sum, update, pull), on plain floa
 ``run`` steps every worker ``steps_per_round`` times with your step function between rounds,
 as ``G_COMM`` does in a job where every worker runs at the same speed. What the driver leaves
 out is transport: faults, deadlines, late workers and nodes (the end-to-end tests cover those).
+
+``AsyncDriver`` does the same for an asynchronous rule (``AsyncRule``), on the real node side
+and the global server's objects, with the nodes' syncs in the test's hands.
 """
 
 from __future__ import annotations
@@ -122,3 +125,136 @@ class RoundDriver:
                 raise ValueError(f"rule {self.rule.name} pulls toward {name}, which this round "
                                  "does not have")
             ops.pull_toward_(self.workers[i], target, strength)
+
+
+class AsyncDriver:
+    """An asynchronous rule (``AsyncRule``) over ``nodes`` (a list per node of flat float32
+    vectors, changed in place), on the real node side (``AsyncNode``: node memory, the lock,
+    the sync) and the real global server's center and mailboxes, with no processes and no
+    network::
+
+        from lsgd.rules.testkit import AsyncDriver
+        with AsyncDriver(MyRule(), [[w0, w1], [w2, w3]]) as d:
+            w0 -= 0.1 * grad(w0)        # your step
+            d.step(0)                   # worker 0 took a step: its exchange runs if due
+            d.sync()                    # every node: send deltas (mail), fetch the center
+            d.center                    # the global server's center (center rules)
+
+    Nodes sync only when told (``sync``), so a test decides how stale each node is.
+    """
+
+    def __init__(self, rule, nodes: Sequence[Sequence[np.ndarray]], seed: int = 0) -> None:
+        import random
+
+        from ..global_server.params import ParamStore
+        from ..local_server.async_node import AsyncNode, buffer_names
+        from ..local_server.store import NodeStore, StoreLayout
+
+        self.rule = rule
+        self.nodes = [list(ws) for ws in nodes]
+        self.workers = [w for ws in self.nodes for w in ws]
+        size = self.workers[0].size
+        for w in self.workers:
+            if w.dtype != np.float32 or w.ndim != 1 or w.size != size:
+                raise ValueError("the driver takes flat float32 vectors of one length")
+        self.where = [(n, i) for n, ws in enumerate(self.nodes) for i in range(len(ws))]
+        self.steps = [0] * len(self.workers)
+        self.rng = random.Random(seed)
+        self.server = ParamStore(rule)
+        self.server.set_param_count(size)
+        self.server.buffers[CENTER][:] = self.workers[0]  # seeded by node 0, as a job is
+        self.server.center_ready = True
+        self.stores, self.sides = [], []
+        try:
+            for n, ws in enumerate(self.nodes):
+                store = NodeStore.create(StoreLayout.new(f"kit{id(self) % 10**8}", n, size,
+                                                         len(ws), buffer_names(rule, len(ws))))
+                self.stores.append(store)
+                for name in store.layout.buffers:  # every buffer starts at the initial model
+                    store.buffer(name)[:] = self.workers[0]
+                side = AsyncNode(rule, store, _InProcess(self.server, n, len(self.nodes)),
+                                 moved=size, sync_every=0.0, job_workers=len(self.workers))
+                for i, w in enumerate(ws):
+                    store.slot(i)[:] = w
+                    side.start_worker(i)
+                self.sides.append(side)
+        except BaseException:
+            self.close()
+            raise
+
+    def step(self, worker: int) -> int:
+        """Worker ``worker`` took a step: ask the rule whether an exchange is due, and run it.
+        Returns the action (0: none)."""
+        self.steps[worker] += 1
+        action = self.rule.due(self.steps[worker], self.rng)
+        if action:
+            self.exchange(worker, action)
+        return action
+
+    def exchange(self, worker: int, action: int) -> float:
+        """Run one exchange of ``worker`` now (its vector in, the result back). Returns the
+        distance the rule reported."""
+        n, i = self.where[worker]
+        slot = self.stores[n].slot(i)
+        slot[:] = self.workers[worker]
+        _, distance, _ = self.sides[n].exchange(i, action, True)
+        self.workers[worker][:] = slot
+        return distance
+
+    def sync(self, node: int | None = None) -> None:
+        """Node ``node``'s (every node's) exchange with the global server."""
+        for n in range(len(self.nodes)) if node is None else (node,):
+            if not self.sides[n].sync():
+                raise RuntimeError(f"node {n}'s sync failed")
+
+    @property
+    def center(self) -> np.ndarray:
+        """The global server's center (a copy)."""
+        return self.server.buffers[CENTER].copy()
+
+    def node_center(self, node: int) -> np.ndarray | None:
+        """Node ``node``'s copy of the center (a copy; None for gossip rules)."""
+        c = self.sides[node].center
+        return None if c is None else c.copy()
+
+    def scalars(self, worker: int) -> dict:
+        """The node's numbers of ``worker`` (``mine.scalars``: GoSGD's weight)."""
+        n, i = self.where[worker]
+        return dict(self.sides[n].scalars[i])
+
+    def close(self) -> None:
+        for store in self.stores:
+            store.close(unlink=True)
+        self.stores = []
+
+    def __enter__(self) -> "AsyncDriver":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _InProcess:
+    """The calls a node's sync makes, straight into the global server's objects."""
+
+    def __init__(self, server, node: int, nodes: int) -> None:
+        self.server, self.node, self.nodes = server, node, nodes
+        self.f4 = np.dtype("<f4")
+
+    def push(self, buffer: str, vec: np.ndarray, round_id: int, **_) -> None:
+        chunks = [(0, vec.astype(self.f4).tobytes())]
+        self.server.push_delta(self.node, 1, round_id, vec.size, chunks, self.f4)
+
+    def pull(self, buffer: str, out: np.ndarray, round_id: int, **_) -> None:
+        for offset, data in self.server.pull(0, buffer, out.size, timeout=1.0):
+            out[offset : offset + len(data) // 4] = np.frombuffer(data, self.f4)
+
+    def push_mail(self, vec: np.ndarray, number: int, weight: float) -> None:
+        self.server.mail.post(self.node, 1, number, weight, range(self.nodes),
+                              [(0, vec.astype(self.f4).tobytes())], self.f4)
+
+    def pull_mail(self, number: int, out: np.ndarray) -> float:
+        vec, weight = self.server.mail.take(self.node, 1, number)
+        if vec is not None:
+            out[:] = vec
+        return weight
