@@ -24,7 +24,7 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
 
 @pytest.mark.parametrize("env, expected", [
     ((("G_COMM", "10"), ("L_COMM", "4")), "g_comm (10) must be a positive multiple of l_comm (4)"),
-    ((("ALGORITHM", "sgd"),), "algorithm 'sgd' is unknown; choose one of: average, diloco, downpour, easgd, easgd-async, grawa, lsgd, or your own"),
+    ((("ALGORITHM", "sgd"),), "algorithm 'sgd' is unknown; choose one of: average, diloco, downpour, easgd, easgd-async, gosgd, grawa, lsgd, or your own"),
     ((("NUM_GROUPS", "0"),), "num_groups must be >= 1, got 0"),
     ((("NUM_GROUPS", "2"),), None),  # placeholder replaced below (node index test)
     ((("C1", "1.5"),), "c1 (pulling strength) must be in [0, 1], got 1.5"),
