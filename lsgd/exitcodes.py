@@ -8,7 +8,8 @@
 | 2    | CONFIG      | bad configuration or input: a knob, a file, ENTRY, a port in use, too   |
 |      |             | little shared memory (one line names it and how to fix it)              |
 | 3    | DEGRADED    | the job finished, but its result is suspect: a worker failed and was    |
-|      |             | not restarted, no leader was ever elected, or every loss was non-finite |
+|      |             | not restarted, no leader was ever elected, every loss was non-finite,   |
+|      |             | or an asynchronous rule's last deltas never reached the global server   |
 | 4    | STOPPED     | the job was stopped on another node (node 0 interrupted or failed);     |
 |      |             | this node stopped cleanly                                               |
 | 130  | INTERRUPTED | SIGINT (Ctrl-C) on this node                                            |

@@ -139,13 +139,14 @@ def test_over_grpc_a_stop_reaches_the_other_node_and_its_rejoin(tmp_path):
 class FakeNode(EndingMixin):
     """Just what ``EndingMixin`` reads of a ``LocalServer``."""
 
-    def __init__(self, workers, rounds=0, healthy=0, elected=0, exchange=Exchange.LEADER):
+    def __init__(self, workers, rounds=0, healthy=0, elected=0, exchange=Exchange.LEADER,
+                 **summary):
         self.workers = workers
         self.ending = {"rounds": rounds, "healthy": healthy, "elected": elected}
         self.rule = SimpleNamespace(exchange=exchange)
-        self.cfg = SimpleNamespace(node_index=1)
+        self.cfg = SimpleNamespace(node_index=1, round_timeout=30.0)
         self.client = SimpleNamespace(stopped="", session=1)
-        self.summary = {}
+        self.summary = summary
 
 
 def worker(wid, error=None, reported=False, exitcode=0):
@@ -166,6 +167,9 @@ def worker(wid, error=None, reported=False, exitcode=0):
      "no leader was ever elected"),
     (FakeNode([worker(0)], rounds=5, healthy=5, elected=0, exchange=Exchange.CENTER),
      exitcodes.OK, "job finished"),
+    (FakeNode([worker(0)], rounds=1, healthy=1, elected=1, exchange=Exchange.CENTER,
+              deltas_lost=True), exitcodes.DEGRADED,  # an asynchronous rule's last deltas
+     "last center deltas or mail did not reach the global server within ROUND_TIMEOUT (30 s)"),
 ])
 def test_a_finished_node_says_whether_its_result_can_be_trusted(node, code, words):
     got, reason = node._ended(None)

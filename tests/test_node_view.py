@@ -295,6 +295,36 @@ def test_final_lines_say_why_what_and_where(tmp_path):
     assert budget_reason(cfg.replace(minutes=1.0), 5000) == "time budget reached"
 
 
+def test_an_asynchronous_rule_shows_exchanges_and_its_best_worker_not_rounds():
+    v, clock = make(iterations=6000)  # node 1: workers 2 and 3
+    v.on_counter(1200)
+    assert "no leader yet" in progress_line(v.snapshot())  # nothing seen: a synchronous look
+    v.on_rows([row(0, 2, 0.5, kind="exchange", pull_center=0.25),
+               row(0, 3, 0.4, kind="exchange", pull_center=0.5),
+               row(0, 2, 0.3, kind="exchange", pull_center=0.125)])
+    s = v.snapshot()
+    assert s.rounds["exchange"] == 3 and s.round_id == 0
+    assert (s.workers[0].loss, s.workers[0].distance, s.workers[0].distance_to) == (0.3, 0.125,
+                                                                                      "center")
+    line = progress_line(s)
+    assert "best w2 loss 0.3" in line and line.endswith("exchanges 3"), line
+    assert "round" not in line and "leader" not in line
+    v.on_rows([row(0, 2, math.nan, kind="exchange"), row(0, 3, math.nan, kind="exchange")])
+    assert "no loss yet" in progress_line(v.snapshot())  # a NaN loss is nobody's best
+
+    summary = {"node": 1, "seconds": 5.0, "counter": 6000, "workers": {"2": 3000, "3": 3000},
+               "rounds": {"local": 0, "global": 0, "final": 1, "exchange": 250},
+               "async": {"exchanges": 250, "syncs": 40, "sync_failures": 2, "deltas_sent": 39}}
+    lines = final_lines(summary, 0)
+    assert lines[1] == ("lsgd: exchanges on this node: 250 without a barrier (39 center deltas "
+                        "sent, 2 syncs with the global server failed and went again), then 1 "
+                        "final round")
+    summary["async"] = {"exchanges": 250, "syncs": 40, "sync_failures": 0, "mail_sent": 7,
+                        "mail_received": 5}
+    assert final_lines(summary, 0)[1] == ("lsgd: exchanges on this node: 250 without a barrier "
+                                          "(mail 7 sent, 5 received), then 1 final round")
+
+
 def test_status_page_address_follows_the_security_settings(tmp_path, monkeypatch):
     (tmp_path / "global").mkdir()
     (tmp_path / "global" / "status.port").write_text("50052")

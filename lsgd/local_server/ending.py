@@ -92,6 +92,10 @@ class EndingMixin:
         elif seen["rounds"] and not seen["elected"] and self.rule.exchange == Exchange.LEADER:
             out.append("no leader was ever elected (no worker had a full window of finite "
                        "losses at a round; see AVG_SIZE)")
+        if self.summary.get("deltas_lost"):
+            out.append("this node's last center deltas or mail did not reach the global server "
+                       f"within ROUND_TIMEOUT ({self.cfg.round_timeout:g} s): the final "
+                       "center lacks them")
         return out
 
     def _announce_stop(self, code: int, reason: str) -> None:

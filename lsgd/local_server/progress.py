@@ -74,17 +74,29 @@ def percent(s: Snapshot) -> float:
 
 def status_parts(s: Snapshot) -> list[str]:
     """Rate, ETA, leader, nodes, workers, round: most telling first (a narrow terminal cuts
-    the end)."""
+    the end). An asynchronous rule has no rounds and elects no leader until its final round:
+    it shows this node's best worker by its newest loss and the exchanges run here."""
     eta = duration(s.eta) if s.eta is not None else "?"
-    lead = s.leader
-    if lead is not None:
-        node = f" (node {lead.node})" if lead.node is not None else ""
-        leader = f"leader w{lead.worker_id}{node} loss {_num(lead.loss)}"
-    else:
-        leader = "no leader yet"
+    exchanges = s.rounds.get("exchange", 0)
+    leader, stage = (_best(s), f"exchanges {exchanges}") if exchanges else \
+        (_leader(s.leader), f"round {s.round_id}")
     alive = "?" if s.nodes_alive is None else str(s.nodes_alive)
     return [f"{_rate(s.rate)} it/s", f"ETA {eta}", leader, f"nodes {alive}/{s.num_groups}",
-            f"workers {s.workers_training}/{len(s.workers)} training", f"round {s.round_id}"]
+            f"workers {s.workers_training}/{len(s.workers)} training", stage]
+
+
+def _leader(lead) -> str:
+    if lead is None:
+        return "no leader yet"
+    node = f" (node {lead.node})" if lead.node is not None else ""
+    return f"leader w{lead.worker_id}{node} loss {_num(lead.loss)}"
+
+
+def _best(s: Snapshot) -> str:
+    """This node's worker with the lowest newest loss."""
+    best = min((w for w in s.workers if math.isfinite(w.loss)), key=lambda w: w.loss,
+               default=None)
+    return f"best w{best.worker_id} loss {_num(best.loss)}" if best else "no loss yet"
 
 
 def progress_line(s: Snapshot) -> str:

@@ -5,6 +5,8 @@
 
     lsgd: node 0 finished in 12.3 s (iteration budget reached); global counter 6000; ...
     lsgd: rounds on this node: 30 local, 9 global, 1 final; the global leader changed 4 times ...
+    (an asynchronous rule: ``lsgd: exchanges on this node: 2500 without a barrier (410 center
+    deltas sent), then 1 final round``)
     lsgd: test accuracy: final leader (worker 1) 0.9712, worker average 0.9650
     lsgd: plots: python -m lsgd plot runs/lsgd
     lsgd: metrics: runs/lsgd/node0/metrics.csv
@@ -96,8 +98,11 @@ def _finished(summary: dict, code: int) -> list[str]:
     lines = [f"lsgd: node {node} finished in {summary.get('seconds', 0):.1f} s{why}; "
              f"global counter {summary.get('counter')}; this node's workers did "
              f"{sum(summary.get('workers', {}).values())} iterations"]
-    rounds = summary.get("rounds") or {}
-    if rounds:
+    rounds = dict(summary.get("rounds") or {})
+    exchanges = rounds.pop("exchange", 0)
+    if exchanges or summary.get("async"):
+        lines.append(_exchanges(exchanges, rounds, summary.get("async") or {}))
+    elif rounds:
         text = ", ".join(f"{n} {kind}" for kind, n in rounds.items())
         changes = summary.get("leader_changes", 0)
         lines.append(f"lsgd: rounds on this node: {text}; the global leader changed {changes} "
@@ -115,6 +120,18 @@ def _finished(summary: dict, code: int) -> list[str]:
         lines.append(f"lsgd: node {node} finished with problems: "
                      + "; ".join(summary.get("problems", [])) + f" (exit code {code})")
     return lines
+
+
+def _exchanges(exchanges: int, rounds: dict, stats: dict) -> str:
+    """An asynchronous rule: its exchanges, what reached the global server, the final round."""
+    final = rounds.get("final", 0)
+    sent = (f"{stats['deltas_sent']} center deltas sent" if "deltas_sent" in stats else
+            f"mail {stats.get('mail_sent', 0)} sent, {stats.get('mail_received', 0)} received")
+    failed = stats.get("sync_failures", 0)
+    also = (f", {failed} sync{'' if failed == 1 else 's'} with the global server failed and "
+            "went again" if failed else "")
+    return (f"lsgd: exchanges on this node: {exchanges} without a barrier ({sent}{also}), "
+            f"then {final} final round{'' if final == 1 else 's'}")
 
 
 def _last_leader(summary: dict) -> str:

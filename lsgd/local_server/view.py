@@ -97,7 +97,8 @@ class Snapshot:
     steps: int  # this node's workers' steps
     node_rate: float | None  # this node's steps per second, recent
     round_id: int  # the newest round this node knows of
-    rounds: dict[str, int]  # rounds this node ran, by kind (local, global, final)
+    rounds: dict[str, int]  # rounds this node ran, by kind (local, global, final; exchange:
+    # the exchanges of an asynchronous rule)
     leader: LeaderView | None  # the global leader
     leader_changes: int
     local_leader: LeaderView | None  # this node's, at its newest round
@@ -194,6 +195,9 @@ class NodeView:
             old, loss=loss, distance=distance, distance_to=target, round_id=rid,
             iterations=max(old.iterations, _int(row.get("worker_iterations"))),
             resets=old.resets + (1 if row.get("reset") else 0))
+        if row.get("kind") == "exchange":  # an asynchronous rule: no rounds, no leaders
+            self._rounds["exchange"] = self._rounds.get("exchange", 0) + 1
+            return
         lead = row.get("local_leader")
         if lead == wid:
             self._local_leader = LeaderView(wid, loss, self.cfg.node_index, rid)
