@@ -136,7 +136,7 @@ def test_a_python_error_in_the_users_loop_is_not_respawned(cluster):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd", "easgd-async", "gosgd"])
 def test_a_lost_node_is_dropped_and_rejoins(cluster, algorithm):
     import time
 
@@ -161,6 +161,17 @@ def test_a_lost_node_is_dropped_and_rejoins(cluster, algorithm):
     assert "node 1 joins a running job" in again.output
     assert sum(again.summary()["workers"].values()) > 0
     assert global_summary(cluster.run_dir)["counter"] == 40000
+    if algorithm == "gosgd":
+        # The lost node took the weight it held (its workers', its mailboxes', its mail not yet
+        # posted: 0 < lost < 1); mail on the server for it went to its new run, whose workers
+        # start at 1/N each (docs/rules.md). So the job's weights now sum to 1 - lost + 2/4,
+        # and every one of them is positive.
+        summaries = [n0.summary(), again.summary()]
+        weights = [w for s in summaries for w in s["async"]["weights"].values()]
+        assert all(0 < w < 1.5 for w in weights), weights
+        assert 0.5 < gossip_weight(cluster.run_dir, [n0, again]) < 1.5, summaries
+    if algorithm in ASYNC:
+        assert not any(n.summary().get("deltas_lost") for n in (n0, again))
 
 
 @pytest.mark.timeout(180)
