@@ -188,6 +188,10 @@ class JobConfig:
                 need(not getattr(self, name), f"{name} needs the rounds of a synchronous rule; "
                      f"{self.algorithm} has none (set {name.upper()}=0: the center is "
                      "evaluated at the end)")
+            # nothing to resume from: such a job makes no checkpoint, and a synchronous rule's
+            # checkpoint in this RUN_DIR holds a node memory of another layout
+            need(not self.resume, f"resume needs the checkpoints of a synchronous rule; "
+                 f"{self.algorithm} makes none (set RESUME=0: the job starts afresh)")
         for name in ("round_timeout", "node_timeout", "join_timeout", "connect_timeout",
                      "state_every", "reconnect_timeout"):
             v = getattr(self, name)

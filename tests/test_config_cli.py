@@ -83,6 +83,18 @@ def test_bad_entry_fails_with_its_error(tmp_path):
     assert "no worker left on this node" in res.stderr
 
 
+@pytest.mark.parametrize("rule", ["easgd-async", "downpour", "gosgd"])
+def test_resume_with_an_asynchronous_rule_is_one_clear_line(tmp_path, rule):
+    # such a job makes no checkpoint; one of a synchronous rule in the same RUN_DIR holds a
+    # node memory of another layout (it used to start, then stop the job: "buffer_outbox missing")
+    res = run_train(tmp_path, ("ALGORITHM", rule), ("RESUME", "1"))
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert lines == [f"lsgd: error: resume needs the checkpoints of a synchronous rule; {rule} "
+                     "makes none (set RESUME=0: the job starts afresh)"], res.stderr
+    JobConfig(algorithm="easgd", resume=True)  # a synchronous rule may resume
+
+
 def test_config_derived_values():
     c = JobConfig(num_groups=3, node_index=2, workers=4, l_comm=8)
     assert c.window == 4 and c.total_workers == 12 and c.worker_id(1) == 9

@@ -10,6 +10,15 @@ import pytest
 from conftest import assert_clean_exit, global_summary, metric_rows, wait_for_rows
 
 TOY = dict(ENTRY="toyjob:main", LOG_LEVEL="INFO")
+ASYNC = ["easgd-async", "downpour", "gosgd"]  # rules without a barrier (issue 12)
+
+
+def gossip_weight(run_dir, nodes) -> float:
+    """GoSGD: the weights of the job's workers and of the mail on its way (in the nodes'
+    mailboxes, not sent, being sent, on the global server), from the summaries."""
+    held = global_summary(run_dir)["mail"]["weight_held"]
+    return held + sum(sum(s["async"]["weights"].values()) + s["async"]["mail_weight"]
+                      for s in (n.summary() for n in nodes))
 
 
 @pytest.mark.timeout(120)
@@ -62,6 +71,56 @@ def test_a_killed_worker_is_respawned_from_the_leader_or_center(cluster, tmp_pat
     assert_clean_exit(cluster.run_dir, [node])
 
 
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("algorithm", ASYNC)
+def test_a_diverged_async_worker_is_reset_at_its_next_exchange(cluster, tmp_path, algorithm):
+    node = cluster(0, PORT=0, ITERATIONS=4000, G_COMM=16, ALGORITHM=algorithm,
+                   TOYJOB_NAN="1:100", TOYJOB_COUNT_DIR=tmp_path, **TOY)
+    assert node.wait(60) == 0, node.output
+    point = "its node's newest exchanged parameters" if algorithm == "gosgd" else "the center"
+    assert f"worker 1: non-finite loss or parameters: reset to {point}" in node.output
+    s = node.summary()
+    assert s["resets"] == {"1": 1}
+    rows = metric_rows(cluster.run_dir / "node0" / "metrics.csv")
+    assert [r["worker_id"] for r in rows if r["reset"]] == ["1"]
+    assert any(r["worker_id"] == "1" and not r["reset"] for r in rows)  # it exchanged again
+    ev = s["evaluation"]  # nothing non-finite reached the center, a mailbox or the average
+    assert all(math.isfinite(v["accuracy"]) and v["accuracy"] > 0.5 for v in ev.values()), ev
+    assert all((tmp_path / f"{w}.finite").read_text() == "True" for w in range(2))
+    assert global_summary(cluster.run_dir)["counter"] == 4000
+    if algorithm == "gosgd":  # the reset worker kept its weight, and its mail
+        assert gossip_weight(cluster.run_dir, [node]) == pytest.approx(1.0, abs=1e-9)
+    assert_clean_exit(cluster.run_dir, [node])
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("algorithm", ASYNC)
+def test_a_killed_async_worker_is_respawned_promptly(cluster, tmp_path, algorithm):
+    # its node's inbox is busy (the other worker exchanges every few steps): the death must
+    # still be noticed at once, not when the inbox happens to be idle
+    node = cluster(0, PORT=0, ITERATIONS=6000, G_COMM=4, L_COMM=4, ALGORITHM=algorithm,
+                   TOYJOB_DIE="1:300", TOYJOB_COUNT_DIR=tmp_path, **TOY)
+    assert node.wait(60) == 0, node.output
+    s = node.summary()
+    died = float((tmp_path / "1.died").read_text())
+    (respawned,) = s["respawns"]["1"]
+    print(f"{algorithm}: respawned {respawned - died:.3f} s after its death")
+    assert 0 < respawned - died < 2.0  # noticed and started again within 2 s
+    point = "its own last exchange" if algorithm == "gosgd" else "the center"
+    assert f"worker 1: started again (1 of at most 2), from {point}" in node.output
+    # it started from trained parameters (the center, or its own), not the initial model's 5.0
+    assert abs(float((tmp_path / "1.restart").read_text())) < 1.0
+    assert s["worker_exit_codes"] == {"0": 0, "1": 0}
+    assert s["workers"]["1"] > 1000
+    assert global_summary(cluster.run_dir)["counter"] == 6000
+    assert int((tmp_path / "1.count").read_text()) > 500
+    if algorithm == "gosgd":  # the node kept the dead process's weight for its successor
+        assert gossip_weight(cluster.run_dir, [node]) == pytest.approx(1.0, abs=1e-9)
+    else:
+        assert s["async"]["deltas_sent"] == global_summary(cluster.run_dir)["center_deltas"]["applied"]
+    assert_clean_exit(cluster.run_dir, [node])
+
+
 @pytest.mark.timeout(60)
 def test_a_python_error_in_the_users_loop_is_not_respawned(cluster):
     # the same code would fail the same way: the node goes on without that worker
@@ -77,7 +136,7 @@ def test_a_python_error_in_the_users_loop_is_not_respawned(cluster):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd", "easgd-async", "gosgd"])
 def test_a_lost_node_is_dropped_and_rejoins(cluster, algorithm):
     import time
 
@@ -102,10 +161,21 @@ def test_a_lost_node_is_dropped_and_rejoins(cluster, algorithm):
     assert "node 1 joins a running job" in again.output
     assert sum(again.summary()["workers"].values()) > 0
     assert global_summary(cluster.run_dir)["counter"] == 40000
+    if algorithm == "gosgd":
+        # The lost node took the weight it held (its workers', its mailboxes', its mail not yet
+        # posted: 0 < lost < 1); mail on the server for it went to its new run, whose workers
+        # start at 1/N each (docs/rules.md). So the job's weights now sum to 1 - lost + 2/4,
+        # and every one of them is positive.
+        summaries = [n0.summary(), again.summary()]
+        weights = [w for s in summaries for w in s["async"]["weights"].values()]
+        assert all(0 < w < 1.5 for w in weights), weights
+        assert 0.5 < gossip_weight(cluster.run_dir, [n0, again]) < 1.5, summaries
+    if algorithm in ASYNC:
+        assert not any(n.summary().get("deltas_lost") for n in (n0, again))
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd", "easgd-async", "downpour"])
 def test_a_killed_global_server_is_restarted_from_its_state_and_nodes_reattach(cluster, tmp_path,
                                                                             algorithm):
     import os
@@ -135,6 +205,17 @@ def test_a_killed_global_server_is_restarted_from_its_state_and_nodes_reattach(c
     assert 30000 <= steps <= 30000 + 4000, steps
     ev = n0.summary()["evaluation"]
     assert all(v["accuracy"] > 0.9 for v in ev.values()), ev  # leader/center kept, not reset
+    if algorithm in ASYNC:
+        # the center came back as the deltas had moved it, not as seeded (the initial model's
+        # norm is 5 * sqrt(1000) = 158; the target's 18): saves see deltas (issue 12)
+        (line,) = [ln for ln in n0.output.splitlines() if "restored: counter" in ln]
+        assert float(line.split("center norm ")[1].split(";")[0]) < 100, line
+        # every delta a node sent was applied once, or lost with the server that died (those
+        # applied after its last save, as the steps counted meanwhile)
+        sent = sum(n.summary()["async"]["deltas_sent"] for n in (n0, n1))
+        deltas = g["center_deltas"]
+        assert deltas["applied"] + deltas["lost"] == sent, (deltas, sent)
+        assert not any(n.summary().get("deltas_lost") for n in (n0, n1))
     assert_clean_exit(cluster.run_dir, [n0, n1])
 
 

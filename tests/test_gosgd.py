@@ -69,6 +69,29 @@ def test_an_exchange_merges_the_mail_then_sends_half_its_weight():
     assert set(draws) == {0, SEND}
 
 
+def test_a_diverged_worker_is_reset_to_finite_parameters_even_if_it_exchanged_last():
+    # The newest parameters that passed an exchange were this very worker's: its slot now holds
+    # its non-finite ones, so a reset must not read the slot (it was "reset" to itself, and
+    # reset again at its next exchange: 2 resets in the NaN fault test, 1 run in 3).
+    rule = GoSGD(p=1.0, workers=2)
+    store = NodeStore.create(StoreLayout.new("tgreset", 0, P, 2, buffer_names(rule, 2)))
+    try:
+        store.slot(0)[:], store.slot(1)[:] = 1.0, 3.0
+        store.buffer("global_leader")[:] = 1.0  # the initial model
+        side = AsyncNode(rule, store, None, moved=P, sync_every=0.0, job_workers=2)
+        for i in (0, 1):
+            side.start_worker(i)
+        assert side.exchange(1, SEND, True)[0]  # worker 1 gossips last (to worker 0)
+        store.slot(1)[::7] = np.nan  # then diverges, and publishes that for its next exchange
+        changed, _, reset = side.exchange(1, SEND, False)
+        assert changed and reset
+        np.testing.assert_array_equal(store.slot(1), 3.0)  # its parameters at its last exchange
+        weights = sum(s["weight"] for s in side.scalars.values()) + side.mailroom.weights()
+        assert weights == pytest.approx(1.0, abs=1e-12)  # it kept its weight
+    finally:
+        store.close(unlink=True)
+
+
 class _FlakyClient:
     """The mail calls of a GlobalClient, straight into a ``Mailboxes``; some break, before or
     after the server acted (a lost request, a lost answer)."""

@@ -64,6 +64,27 @@ def test_a_stop_on_node_0_ends_every_node_within_10_s(cluster, sig):
     assert_clean_exit(cluster.run_dir, [n0, n1])
 
 
+@pytest.mark.timeout(90)
+def test_ctrl_c_on_node_0_ends_an_asynchronous_job_everywhere_within_10_s(cluster):
+    # no rounds: node 1 learns of the stop from its heartbeat, its credit calls or its sync
+    # thread's refused exchanges, while its workers exchange with the node's copy of the center
+    n0, n1 = start_two(cluster, **(FOREVER | dict(ALGORITHM="easgd-async", G_COMM=16)))
+    assert wait_for(lambda: training(cluster, 0) and training(cluster, 1), 60), n0.output + n1.output
+    os.killpg(n0.proc.pid, signal.SIGINT)  # Ctrl-C in node 0's terminal
+    t0 = time.monotonic()
+    assert n1.wait(15) == 4, n1.output
+    assert n0.wait(15) == 130, n0.output
+    assert time.monotonic() - t0 < 10, "the job took more than 10 s to stop everywhere"
+    assert n1.output.count("lsgd: node 1: job stopped on node 0: interrupted") == 1, n1.output
+    assert "lsgd: node 0: interrupted; the job was stopped on every node" in n0.output
+    for node, code in ((n0, 130), (n1, 4)):
+        s = node.summary()
+        assert s["exit_code"] == code and s["async"]["exchanges"] > 0, s
+        assert "Traceback" not in node.output
+    assert global_summary(cluster.run_dir)["exit_code"] == 0
+    assert_clean_exit(cluster.run_dir, [n0, n1])  # no process, no shared-memory segment left
+
+
 @pytest.mark.timeout(120)
 def test_node_0_losing_all_its_workers_ends_the_job_everywhere(cluster):
     # a bug in the user's code kills both workers of node 0 (RESPAWN cannot help a Python error)

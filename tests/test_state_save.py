@@ -287,3 +287,98 @@ def test_a_save_while_the_first_leader_is_still_uploading_writes_no_torn_vector(
     finally:
         stop.set()
         t.join(30)
+
+
+# ---------------------------------------------------------------------------- center deltas
+def _delta_store(n: int) -> ParamStore:
+    from lsgd.rules import AsyncEASGD
+
+    store = ParamStore(AsyncEASGD(alpha=0.5, every=1))
+    store.set_param_count(n)
+    store.center_ready = True
+    return store
+
+
+def _push_delta(store: ParamStore, seq: int, n: int, value: float = 1.0, parts: int = 4,
+                node: int = 1, session: int = 7, stop_after: int | None = None) -> None:
+    """Delta ``seq`` of ``node`` (all ``value``) in ``parts`` chunks; ``stop_after`` chunks
+    and the upload breaks."""
+    step = n // parts
+
+    def chunks():
+        for k, lo in enumerate(range(0, n, step)):
+            if stop_after is not None and k == stop_after:
+                raise ConnectionError("broken on purpose")
+            yield lo, np.full(min(step, n - lo), value, "<f4").tobytes()
+
+    store.push_delta(node, session, seq, n, chunks(), np.dtype("<f4"))
+
+
+def test_a_save_after_center_deltas_writes_the_new_center_and_a_restart_adds_none_twice(tmp_path):
+    # Asynchronous rules move the center by deltas, not by rounds: a save must see them
+    # (it used to look at the round versions only, and a restarted server came back with the
+    # center of the last round: the seed, for a job without rounds).
+    n = 1024
+    store = _delta_store(n)
+    path = tmp_path / "params.npz"
+    assert store.save(path)
+    _push_delta(store, 1, n)  # node 1's first two deltas
+    _push_delta(store, 2, n)
+    assert store.save(path), "the center moved by two deltas but the save wrote nothing"
+    assert (_saved(path)["center"] == 2.0).all()
+    assert not store.save(path)  # nothing changed since
+    with pytest.raises(ConnectionError):  # node 2's first delta breaks after a quarter
+        _push_delta(store, 1, n, node=2, session=9, stop_after=1)
+    assert store.save(path)
+    saved = [3.0] * (n // 4) + [2.0] * (3 * n // 4)
+    assert _saved(path)["center"].tolist() == saved
+    _push_delta(store, 3, n)  # node 1's delta 3 reaches the server, which then dies: lost
+
+    again = ParamStore(store.rule)  # the restarted server, from the save
+    again.load(path)
+    assert again.buffers[CENTER].tolist() == saved and again.deltas.applied == 2
+    _push_delta(again, 1, n, node=2, session=9)  # node 2 sends its delta again:
+    assert (again.buffers[CENTER] == 3.0).all()  # only what the saved center lacked is added
+    _push_delta(again, 1, n, node=2, session=9)  # and once more (an answer lost): nothing
+    assert (again.buffers[CENTER] == 3.0).all()
+    _push_delta(again, 4, n)  # node 1 moved on: its delta 3 is lost, 4 is not refused
+    assert (again.buffers[CENTER] == 4.0).all()
+    assert again.deltas.applied == 4 and again.deltas.lost == 1
+    _push_delta(again, 1, n, node=0, session=5)  # a node first seen now
+    assert (again.buffers[CENTER] == 5.0).all()
+
+
+def test_a_save_racing_center_deltas_is_never_torn(tmp_path, monkeypatch):
+    n = 1 << 20  # 4 MB: a save takes long enough for deltas to land in it
+    store = _delta_store(n)
+    stop = threading.Event()
+    attempts = []
+    write = store._write
+    monkeypatch.setattr(store, "_write", lambda *a: attempts.append(1) or write(*a))
+
+    def deltas():  # one node's deltas of ones, chunk by chunk, as the servicer adds them
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            _push_delta(store, seq, n, parts=8)
+            time.sleep(0.001)
+
+    writer = threading.Thread(target=deltas)
+    writer.start()
+    path = tmp_path / "params.npz"
+    try:
+        for _ in range(4):
+            time.sleep(0.02)
+            assert store.save(path)
+            back = ParamStore(store.rule)
+            back.load(path)
+            ((node, session, seq, applied, done),) = back.deltas.rows()
+            # the center is what the saved ledger says was added: deltas 1 .. seq - 1 whole,
+            # and the first ``applied`` elements of delta seq (all of it when done)
+            want = np.full(n, seq - 1, np.float32)
+            want[: n if done else applied] += 1
+            np.testing.assert_array_equal(back.buffers[CENTER], want)
+    finally:
+        stop.set()
+        writer.join(5)
+    assert len(attempts) > 4  # some attempts saw a delta land and were done again

@@ -13,6 +13,8 @@ TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With T
 set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
 when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
 starting at the worker's id, and writes them to ``<dir>/<worker_id>.stats`` at the end.
+With TOYJOB_COUNT_DIR set, a worker started again (respawned) writes the mean of the
+parameters it started from to ``<dir>/<worker_id>.restart`` (the initial model's is 5.0).
 TOYJOB_SIZE sets the number of parameters (1000). TOYJOB_MOMENTUM=1 uses a momentum buffer, registered as the worker's own state; a resumed worker
 writes the norm of the buffer it got back to ``<dir>/<worker_id>.velocity``.
 """
@@ -70,6 +72,9 @@ def main(worker):
     velocity = np.zeros_like(x)
     worker.register(WithStats(x, stats) if stats.size else [x], evaluate=evaluate,
                     state=[velocity] if momentum else None)
+    if worker.restarts and not worker.is_evaluator and os.environ.get("TOYJOB_COUNT_DIR"):
+        with open(os.path.join(os.environ["TOYJOB_COUNT_DIR"], f"{worker.worker_id}.restart"), "w") as f:
+            f.write(repr(float(np.mean(x))))
     if momentum and worker.iterations and os.environ.get("TOYJOB_COUNT_DIR"):
         with open(os.path.join(os.environ["TOYJOB_COUNT_DIR"], f"{worker.worker_id}.velocity"), "w") as f:
             f.write(repr(float(np.linalg.norm(velocity))))

@@ -8,6 +8,12 @@ delta in part (each element whole, before or after), as in Hogwild-style paramet
 sends the same delta again under the same number, and ``DeltaLedger`` tells the store how many
 leading elements to skip, so every element of every delta is added once.
 
+The ledger is saved with the center (``saves.py``: one consistent snapshot, never torn by a
+delta landing meanwhile), so a restarted global server skips what its saved center holds and
+adds what it lacks: a delta sent again is added once. Deltas applied after that save, which the
+node was told had arrived, are lost with the server (counted as ``lost``), as are the steps it
+counted meanwhile.
+
 The ledger is pure bookkeeping (no lock, no I/O); ``DeltaMixin.push_delta`` is the store's part.
 """
 
@@ -32,6 +38,7 @@ class _Record:
     applied: int  # leading elements of that delta already added to the center
     busy: bool  # an upload of it is being received
     done: bool = False  # that delta was applied in full
+    restored: bool = False  # read from a save: the node may have moved on since (see begin)
 
 
 class DeltaLedger:
@@ -41,6 +48,18 @@ class DeltaLedger:
         self._records: dict[int, _Record] = {}
         self.applied = 0  # deltas applied in full (for the server's summary)
         self.retried = 0  # uploads that continued a broken one
+        self.lost = 0  # deltas applied after the last save of a server that then died
+        self.moves = 0  # chunks added to the center (a save compares it: saves.py)
+
+    def rows(self) -> list[tuple[int, int, int, int, bool]]:
+        """(node, session, seq, applied, done) of every node: saved with the center."""
+        return [(n, r.session, r.seq, r.applied, r.done) for n, r in sorted(self._records.items())]
+
+    def restore(self, rows, counts) -> None:  # noqa: ANN001 - arrays of a save
+        """The ledger of a save, with the center saved with it (a restarted server)."""
+        self._records = {int(n): _Record(int(s), int(q), int(a), False, bool(d), True)
+                         for n, s, q, a, d in rows}
+        self.applied, self.retried, self.lost = (int(c) for c in counts)
 
     def begin(self, node: int, session: int, seq: int) -> int | None:
         """An upload of delta ``seq`` from ``node`` starts. Returns the number of leading
@@ -58,6 +77,17 @@ class DeltaLedger:
             return 0
         if rec.busy:
             raise ParamError("ABORTED", f"node {node} is already uploading delta {rec.seq}")
+        if rec.restored and seq > rec.seq + int(rec.done):
+            # The server restarted from a save, and this node has moved on since: its deltas
+            # after the save (up to seq - 1, and the rest of one in progress then) reached the
+            # server that died. They are lost with it, as the steps it counted meanwhile.
+            lost = seq - rec.seq - 1 + int(not rec.done)
+            self.lost += lost
+            log.warning("node %d: %d center delta(s) applied after the last state save were lost "
+                        "with the global server that died", node, lost)
+            rec.seq, rec.applied, rec.busy, rec.done, rec.restored = seq, 0, True, False, False
+            return 0
+        rec.restored = False
         if seq == rec.seq + 1:
             rec.seq, rec.applied, rec.busy, rec.done = seq, 0, True, False
             return 0
@@ -73,8 +103,9 @@ class DeltaLedger:
                          f"is {rec.seq + 1}")
 
     def progress(self, node: int, applied: int) -> None:
-        """Elements of the node's current delta added so far."""
+        """Elements of the node's current delta added so far (the center just moved)."""
         self._records[node].applied = applied
+        self.moves += 1
 
     def end(self, node: int, complete: bool) -> None:
         rec = self._records[node]

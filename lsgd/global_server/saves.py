@@ -10,6 +10,12 @@ The vectors a rule names in ``server_state`` (DiLoCo's outer momentum) are membe
 the lock, one center version), so they are saved and loaded as one with it: a save never pairs
 a center with the state of another round. A file without them (an older version's, or a rule
 without state) loads with that state at zero.
+
+Asynchronous rules move the center by deltas (``deltas.py``), a chunk at a time under the lock,
+without a version: the ledger's ``moves`` count them, a save writes when they moved and starts
+again when one landed while it wrote, and the ledger (which delta of which node was added how
+far) is saved with the center it describes (members ``deltas``, ``delta_counts``), so a restarted
+server adds a delta sent again only where its saved center lacks it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,10 @@ from .buffers import CENTER, LEADER, SAVED_AS
 from .snapshot import CHUNK, NpzReader, NpzWriter
 
 log = logging.getLogger("lsgd.global_server.params")
+
+
+DELTAS = "deltas"  # members of the save: the ledger of center deltas (deltas.py) ...
+DELTA_COUNTS = "delta_counts"  # ... and its counts (applied, continued, lost)
 
 
 class _Changed(Exception):
@@ -94,6 +104,10 @@ class SavedParams:
         with self._cond:
             key = self._saved_key()
             versions = dict(self.versions)
+            moves = self.deltas.moves  # the center's deltas: the ledger below goes with them
+            ledger = np.array(self.deltas.rows(), dtype=np.int64).reshape(-1, 5)
+            counts = np.array([self.deltas.applied, self.deltas.retried, self.deltas.lost],
+                              dtype=np.int64)
             live = {LEADER: versions[LEADER] % 2 == 0 and self.leader_complete,
                     CENTER: versions[CENTER] % 2 == 0 and self.center_ready}
         with ExitStack() as stack:
@@ -120,9 +134,17 @@ class SavedParams:
                     out.copy(old, member)
                 else:  # live (checked with the center's version below); or not updated yet
                     out.vector(member, vec)
+            if not live[CENTER] and old is not None and DELTAS in old.members():
+                for member in (DELTAS, DELTA_COUNTS):  # with the center they describe
+                    out.copy(old, member)
+            else:
+                out.small(DELTAS, ledger)
+                out.small(DELTA_COUNTS, counts)
             out.small("flags", np.array(flags, dtype=np.bool_))
             with self._cond:
                 if any(live[n] and self.versions[n] != versions[n] for n in live):
+                    raise _Changed
+                if live[CENTER] and self.deltas.moves != moves:  # a delta landed meanwhile
                     raise _Changed
         return key
 
@@ -151,7 +173,7 @@ class SavedParams:
 
     def _saved_key(self) -> int:
         return hash((self.versions[LEADER], self.versions[CENTER], self.center_ready,
-                     self.leader_complete))
+                     self.leader_complete, self.deltas.moves))
 
     def load(self, path) -> None:  # noqa: ANN001 - a Path
         """Restore the leader, the center and the rule's state saved by ``save`` (or by
@@ -170,8 +192,16 @@ class SavedParams:
             for n in found:
                 if z.header(state_member(n)) != (shape, dtype):
                     raise ValueError(f"{path}: '{state_member(n)}' is not a vector of {shape[0]}")
+            ledger = None
+            if DELTAS in held:
+                ledger, counts = z.small(DELTAS), z.small(DELTA_COUNTS)
+                if (ledger.ndim != 2 or ledger.shape[1] != 5 or ledger.dtype != np.int64
+                        or counts.shape != (3,)):
+                    raise ValueError(f"{path}: '{DELTAS}' is not a ledger of center deltas")
             with self._cond:
                 self.set_param_count(shape[0])
+                if ledger is not None:
+                    self.deltas.restore(ledger.tolist(), counts.tolist())
                 z.into("leader", self.buffers[LEADER])
                 z.into("center", self.buffers[CENTER])
                 for n in names:

@@ -31,8 +31,10 @@ from ..wire import GRPC_OPTIONS
 from .admission import Admission, Limits
 from .coordinator import Coordinator, Schedule
 from .journal import Journal
+from .buffers import CENTER
 from .params import ParamStore
 from .probes import add_probes
+from .saves import norm
 from .servicer import GlobalServicer
 
 log = logging.getLogger(__name__)
@@ -212,7 +214,8 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                                           "rule_failures": servicer.params.rule_failures,
                                           "center_deltas": {
                                               "applied": servicer.params.deltas.applied,
-                                              "continued": servicer.params.deltas.retried},
+                                              "continued": servicer.params.deltas.retried,
+                                              "lost": servicer.params.deltas.lost},
                                           "mail": None if servicer.params.mail is None else {
                                               "posted": servicer.params.mail.posted,
                                               "delivered": servicer.params.mail.delivered,
@@ -280,10 +283,14 @@ def _restore(servicer: GlobalServicer, state_file: Path, params_file: Path,
     with servicer.cond:
         servicer.dumps = int(state.get("dump", 0))
         servicer.coord.restore(state, servicer.clock(), membership=membership)
+    center = "no center"
     if params_file.exists():
         servicer.params.load(params_file)
-    log.warning("restored: counter %d, %d rounds, nodes %s; waiting for them to reattach",
-                servicer.coord.done, servicer.coord.rounds_opened, sorted(servicer.coord.nodes))
+        if servicer.params.center_ready:  # a fingerprint: which center came back
+            center = f"center norm {norm(servicer.params.buffers[CENTER]):.6g}"
+    log.warning("restored: counter %d, %d rounds, nodes %s, %s; waiting for them to reattach",
+                servicer.coord.done, servicer.coord.rounds_opened, sorted(servicer.coord.nodes),
+                center)
 
 
 def process_main(config: JobConfig, conn: object, log_level: int,

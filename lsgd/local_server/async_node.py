@@ -66,7 +66,12 @@ class AsyncNode:
         self.mailroom = (MailRoom(store, client, self.lock, moved=moved,
                                   workers=store.layout.slots, job_workers=job_workers)
                          if rule.gossip else None)
-        self.last_good: int | None = None  # the worker whose slot last passed an exchange
+        # No center (gossip): the newest parameters that passed an exchange on this node, kept
+        # in the node's global_leader buffer (the initial model at first; the final round's
+        # leader at the end). Not a worker's slot: the worker rewrites it for its next exchange,
+        # maybe with the very non-finite values a reset must replace.
+        self.latest = (store.buffer(GLOBAL_LEADER)[:moved] if self.center is None
+                       and GLOBAL_LEADER in has else None)
         self.seq = 0  # the newest delta number used
         self.owed = False  # ``sending`` holds a delta the server has not taken whole
         self.closed = False  # after the last sync: exchanges move nothing
@@ -109,11 +114,7 @@ class AsyncNode:
     def _fallback(self) -> np.ndarray:
         """What a diverged worker is reset to: the center; with none, the newest parameters
         that passed an exchange on this node (else the initial model)."""
-        if self.center is not None:
-            return self.center
-        if self.last_good is not None:
-            return self.store.slot(self.last_good)[:self.moved]
-        return self.store.buffer(GLOBAL_LEADER)[:self.moved]
+        return self.center if self.center is not None else self.latest
 
     def exchange(self, local: int, action: int, healthy: bool) -> tuple[bool, float, bool]:
         """Run one exchange of worker ``local`` on its slot. Returns (slot changed, distance,
@@ -129,7 +130,8 @@ class AsyncNode:
             self._current = local
             distance = self.rule.exchange_(action, x, self.mine(local), self)
             self.exchanges += 1
-            self.last_good = local
+            if self.latest is not None:
+                ops.copy_(self.latest, x)
         self._dirty.set()
         return True, float(distance), False
 

@@ -29,8 +29,9 @@ class AsyncMixin:
         self._send(w, m.Exchanged(changed, reset))
         if reset:
             self.resets[w.worker_id] = self.resets.get(w.worker_id, 0) + 1
-            log.warning("worker %d: non-finite loss or parameters: reset to the center",
-                        w.worker_id)
+            log.warning("worker %d: non-finite loss or parameters: reset to %s", w.worker_id,
+                        "the center" if node.center is not None
+                        else "its node's newest exchanged parameters")  # AsyncNode._fallback
         self.metrics.rows([{
             "round": 0, "kind": "exchange", "iteration": self.view.counter,
             "time_s": round(time.monotonic() - self.t0, 4), "worker_id": w.worker_id,

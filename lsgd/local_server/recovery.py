@@ -69,8 +69,11 @@ class RecoveryMixin:
         w.starting = True
         self.pending = deque(i for i in self.pending if i != w.local)
         w.last_contact = time.monotonic()
-        log.warning("worker %d: started again (%d of at most %d), from the %s", w.worker_id,
-                    len(w.respawns), self.cfg.respawn, self._restart_point().replace("_", " "))
+        # a gossip rule has no center: its worker starts again from its slot (async_node.py)
+        point = ("its own last exchange" if getattr(self.rule, "gossip", False)
+                 else "the " + self._restart_point().replace("_", " "))
+        log.warning("worker %d: started again (%d of at most %d), from %s", w.worker_id,
+                    len(w.respawns), self.cfg.respawn, point)
 
     def _setup_respawned(self, w: WorkerState, hello: m.Hello) -> None:
         assert self.store is not None

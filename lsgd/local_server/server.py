@@ -8,7 +8,7 @@ pull.
 
 Every wait is bounded: a worker that misses a round's deadline is left out of it (and logged);
 a worker holding credits silently for ``round_timeout`` has them released so the job's rounds
-still happen; a dead worker is noticed within ``POLL`` seconds.
+still happen; a dead worker is noticed within ``POLL`` seconds, however busy the inbox.
 
 With ``eval_every``, node 0 also runs an *evaluator*: one more process that builds the user's
 model but never trains. At an evaluation round it copies the leader, average and center buffers
@@ -107,6 +107,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         self.metrics.add_sink(self.view.on_rows)
         self.progress = Progress(self.view, config)  # the live line or progress lines
         self.view_due = 0.0  # when _recv next gives the view the workers' step counts
+        self.check_due = 0.0  # when _recv next checks the workers' processes (every POLL s)
         self.summary: dict = {}
         self.layout_name: str | None = None
         self.detached_since: float | None = None  # global server out of reach since then
@@ -278,6 +279,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
 
     def _check_workers(self) -> None:
         now = time.monotonic()
+        self.check_due = now + POLL
         for w in self._live():
             if w.proc.exitcode is not None:
                 end_group(w.proc.pid)  # what it started goes with it
@@ -310,6 +312,10 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         if time.monotonic() >= self.view_due:
             self._tell_view()
         self._check_stopped()
+        # Liveness on a fixed cadence, busy inbox or not: workers of an asynchronous rule send
+        # a message every few steps, and a dead one must not wait for a quiet moment.
+        if time.monotonic() >= self.check_due:
+            self._check_workers()
         try:
             msg = self.inbox.get(timeout=timeout)
         except queue.Empty:
