@@ -9,8 +9,9 @@ one at every round; an asynchronous rule has no barrier. Also per rule: the slow
 how long the fast node idles at the end of the time budget (its last ``step()`` call: the final
 round waits for the credits the slow node still holds), and the CPU of the local servers (node
 main processes, the sync thread included) and of the global server; and, for easgd-async, the
-same run with a 10M-parameter model at ``SYNC_EVERY`` 0.05 and 1 s (the sync thread sends and
-fetches the whole vector at each sync).
+same with a 10M-parameter model: an exchange every 64 steps (the default) at ``SYNC_EVERY`` 0.05,
+and every 4 steps at 0.05 and 1 s (the sync thread sends and fetches the whole vector at each
+sync; compare these rows with each other).
 
     python -m bench.hetero [--quick]      # ~2 minutes (--quick: ~1); prints the table
     python -m bench --only hetero          # the same into bench/results.json
@@ -35,6 +36,8 @@ FAST, SLOW = 0.005, 0.05  # seconds per step of node 0's and node 1's worker
 RULES = ("lsgd", "easgd", "easgd-async", "downpour", "gosgd")
 SYNCHRONOUS = {"lsgd", "easgd"}
 BIG = 10_000_000  # parameters of the sync-cost runs (40 MB)
+BIG_RUNS = ((64, 0.05), (4, 0.05), (4, 1.0))  # (G_COMM: steps between exchanges, SYNC_EVERY);
+# exchanging every 4 steps (~25 ms), the fast node's node syncs as often as SYNC_EVERY lets it
 
 
 def window_rate(workers: list[dict], who: dict) -> float:
@@ -55,12 +58,13 @@ def window_rate(workers: list[dict], who: dict) -> float:
 
 
 def job(rule: str, nodes: int, seconds: float, run_dir: Path, size: int = 100_000,
-        sync_every: float = 0.05) -> dict:
+        sync_every: float = 0.05, g_comm: int = 64) -> dict:
     """One job of ``nodes`` nodes x 1 worker through ``train.sh``; step times and CPU."""
     env = lsgd_env(ENTRY="bench.jobs:paced", NUM_GROUPS=nodes, WORKERS=1, MINUTES=seconds / 60,
                    ITERATIONS="", PORT=0, RUN_DIR=run_dir, ALGORITHM=rule, ALPHA=0.25,
-                   SYNC_EVERY=sync_every, BENCH_SIZE=size, BENCH_STEP_SECONDS=f"{FAST},{SLOW}",
-                   JOB_ID=f"benchhet{rule.replace('-', '')}{nodes}{size}{int(sync_every * 100)}")
+                   SYNC_EVERY=sync_every, G_COMM=g_comm, L_COMM=min(16, g_comm), BENCH_SIZE=size,
+                   BENCH_STEP_SECONDS=f"{FAST},{SLOW}",
+                   JOB_ID=f"benchhet{rule.replace('-', '')}{nodes}-{size}-{g_comm}-{int(sync_every * 100)}")
     procs = [run_node(0, env)]
     port = run_dir / "global.port"
     end = time.monotonic() + 60
@@ -99,7 +103,9 @@ def job(rule: str, nodes: int, seconds: float, run_dir: Path, size: int = 100_00
         s = samples.get(pid, [])
         return (s[-1][1] - s[0][1]) / (s[-1][0] - s[0][0]) if len(s) > 1 else float("nan")
 
-    return {"workers": workers, "rounds": g["rounds"],
+    syncs = [read_json(run_dir / f"node{i}" / "summary.json").get("async", {}).get("syncs")
+             for i in range(nodes)]
+    return {"workers": workers, "rounds": g["rounds"], "syncs": syncs,
             "local_cpu": [busy(p.pid) for p in procs], "global_cpu": busy(g["pid"])}
 
 
@@ -114,16 +120,17 @@ def run(quick: bool, seconds: float | None = None) -> list[Result]:
             r = job(rule, 2, seconds, Path(tmp) / rule)
             out.append(_row(rule, r, base, f"fast node's steps/s next to a 10x slower node, {rule}"))
         if not quick:
-            for every in (0.05, 1.0):
-                r = job("easgd-async", 2, seconds, Path(tmp) / f"big{every}", size=BIG,
-                        sync_every=every)
+            for g_comm, every in BIG_RUNS:
+                r = job("easgd-async", 2, seconds, Path(tmp) / f"big{g_comm}-{every}", size=BIG,
+                        sync_every=every, g_comm=g_comm)
                 out.append(_row("easgd-async", r, base, "fast node's steps/s, easgd-async, 10M "
-                                f"parameters, SYNC_EVERY={every:g}", size=BIG, sync_every=every))
+                                f"parameters, every {g_comm} steps, SYNC_EVERY={every:g}",
+                                size=BIG, sync_every=every, g_comm=g_comm))
     return out
 
 
 def _row(rule: str, r: dict, base: float, metric: str, size: int = 100_000,
-         sync_every: float = 0.05) -> Result:
+         sync_every: float = 0.05, g_comm: int = 64) -> Result:
     fast = next(w for w in r["workers"] if w["node"] == 0)
     slow = next(w for w in r["workers"] if w["node"] == 1)
     got = window_rate(r["workers"], fast)
@@ -134,7 +141,8 @@ def _row(rule: str, r: dict, base: float, metric: str, size: int = 100_000,
         baseline_name="fast node alone, same run", ratio=got / base, ratio_note="value / baseline",
         goal=goal if size == 100_000 else "",
         met=((got / base < 0.6) if synchronous else (got / base >= 0.9)) if size == 100_000 else None,
-        extra={"rule": rule, "parameters": size, "sync_every": sync_every,
+        extra={"rule": rule, "parameters": size, "sync_every": sync_every, "g_comm": g_comm,
+               "syncs": r["syncs"],
                "slow_steps_per_s": window_rate(r["workers"], slow),
                "fast_steps": len(fast["ends"]), "slow_steps": len(slow["ends"]),
                "fast_idle_at_end_s": fast["ends"][-1] - fast["ends"][-2],
@@ -146,16 +154,18 @@ def _row(rule: str, r: dict, base: float, metric: str, size: int = 100_000,
 
 def table(results: list[Result]) -> str:
     lines = ["| run | fast node steps/s | ratio to alone | slow node steps/s | fast node idle at "
-             "the end, s | local servers' CPU, % of a core | global server's CPU |",
-             "|---|---|---|---|---|---|---|"]
+             "the end, s | local servers' CPU, % of a core | global server's CPU | syncs |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         e = r.extra
         name = e["rule"] + ("" if e["parameters"] == 100_000 else
-                            f", {e['parameters'] / 1e6:g}M params, SYNC_EVERY={e['sync_every']:g}")
+                            f", {e['parameters'] / 1e6:g}M params, every {e['g_comm']} steps, "
+                            f"SYNC_EVERY={e['sync_every']:g}")
         lines.append(f"| {name} | {r.value:.0f} | **{r.ratio:.2f}x** | {e['slow_steps_per_s']:.1f} | "
                      f"{e['fast_idle_at_end_s']:.2f} | "
                      f"{' + '.join(f'{c:.0f}' for c in e['local_server_cpu_pct'])} | "
-                     f"{e['global_server_cpu_pct']:.0f} |")
+                     f"{e['global_server_cpu_pct']:.0f} | "
+                     f"{' + '.join('–' if n is None else str(n) for n in e.get('syncs', []))} |")
     return "\n".join(lines)
 
 

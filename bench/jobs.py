@@ -90,6 +90,7 @@ def paced(worker) -> None:
     clock = time.perf_counter
     while True:
         head -= lr * (head - target)
+        head[len(ends) % head.size] += 0.5  # never converged to a fixed point: the loop trains
         time.sleep(delay)
         t = clock()
         keep = worker.step(float(np.mean((head[:1000] - target[:1000]) ** 2)))
