@@ -91,10 +91,10 @@ def test_platoon_table_formats_the_ceiling_and_the_runs():
     ceiling = Result(platoon.TARGET, "ceiling", 13000.0, "samples/s", baseline=7000.0, ratio=1.86)
     run = Result(platoon.TARGET, "samples/s, easgd-async, 2 workers", 12000.0, "samples/s",
                  baseline=7000.0, ratio=12000 / 7000, goal="Platoon: 1.82x",
-                 extra={"ratio_to_ceiling": 0.92, "time_in_lsgd_pct": 1.5,
-                        "local_server_cpu_pct": 2.0, "global_server_cpu_pct": 1.0,
-                        "async": {"syncs": 40}})
+                 extra={"rule": "easgd-async", "ratio_to_ceiling": 0.92, "time_in_lsgd_pct": 1.5,
+                        "local_server_cpu_pct": 2.0, "global_server_cpu_pct": 1.0, "syncs": 40.0,
+                        "ratios": [1.6, 12 / 7, 1.8]})
     lines = platoon.table([ceiling, run]).splitlines()
     assert "| two plain loops at once | 13,000 | **1.86x** |" in lines[2]
-    assert "| easgd-async, 2 workers | 12,000 | **1.71x** (Platoon 1.82x) | 0.92x |" in lines[3]
+    assert "| easgd-async, 2 workers | 12,000 | **1.71x** (1.60-1.80; Platoon 1.82x) | 0.92x |" in lines[3]
     assert lines[3].endswith("| 40 |")
