@@ -13,7 +13,7 @@ with the global server every ``SYNC_EVERY`` = 0.05 s: what frequent syncing cost
 Each configuration runs 3 times (20 s), in an order rotated between repetitions, and each ratio
 is taken against the plain loop of its own repetition; the table shows the medians.
 
-    python -m bench.platoon [--quick]     # ~8 minutes (--quick: ~2); prints the table
+    python -m bench.platoon [--quick]     # ~7 minutes (--quick: ~2); prints the table
     python -m bench --only platoon         # the same into bench/results.json
 """
 
