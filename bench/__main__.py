@@ -1,7 +1,8 @@
 """Run the benchmarks: ``python -m bench [--quick] [--only NAME ...]``.
 
 Targets (issue 3): 1 control plane, 2 global server scale, 3 parameter plane, 4 pulls,
-5 training throughput, 6 time to accuracy; (issue 11) 7 rule exchange. Each prints its measured value, the baseline
+5 training throughput, 6 time to accuracy; (issue 11) 7 rule exchange; (issue 12) 8 mixed node
+speeds, 9 the Platoon comparison. Each prints its measured value, the baseline
 measured in the same run, and their ratio. Results go to ``bench/results.json`` and to the
 results block of ``docs/benchmarks.md`` (the rest of that file is written by hand).
 """
@@ -26,6 +27,8 @@ BENCHES = {
     "throughput": ("bench.throughput", "run_throughput"),
     "accuracy": ("bench.throughput", "run_accuracy"),
     "exchange": ("bench.exchange", "run"),
+    "hetero": ("bench.hetero", "run"),
+    "platoon": ("bench.platoon", "run"),
 }
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 

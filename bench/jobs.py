@@ -69,3 +69,34 @@ def mlp(worker) -> None:
     _out(worker, "mlp").with_suffix(".json").write_text(json.dumps(
         {"steps": steps, "first": first, "last": last, "batch": cfg.batch_size, "curve": curve,
          "marks": marks, "in_lsgd_s": in_lsgd}))
+
+
+def paced(worker) -> None:
+    """A worker whose step takes a set time, per node (a mixed cluster): a sleep of
+    ``BENCH_STEP_SECONDS`` (``"<node 0's>,<node 1's>,..."``, the last one for the nodes not
+    named) after a cheap in-place update of the first 100,000 of ``BENCH_SIZE`` parameters
+    (100,000: all of them), so a big model costs only its exchanges. The sleep
+    stands for work done elsewhere (an accelerator, another machine): it leaves the cores to
+    lsgd. Writes the time each ``worker.step`` call returned and the seconds spent inside them."""
+    cfg = worker.config
+    delays = [float(v) for v in os.environ.get("BENCH_STEP_SECONDS", "0.005").split(",")]
+    delay = delays[min(cfg.node_index, len(delays) - 1)]
+    x = np.full(int(os.environ.get("BENCH_SIZE", "100000")), 5.0, np.float32)
+    target = np.linspace(-1, 1, min(x.size, 100_000), dtype=np.float32)
+    head = x[:target.size]
+    worker.register([x])
+    lr = np.float32(cfg.lr)
+    ends, in_step, start = [], 0.0, time.time()
+    clock = time.perf_counter
+    while True:
+        head -= lr * (head - target)
+        head[len(ends) % head.size] += 0.5  # never converged to a fixed point: the loop trains
+        time.sleep(delay)
+        t = clock()
+        keep = worker.step(float(np.mean((head[:1000] - target[:1000]) ** 2)))
+        in_step += clock() - t
+        ends.append(time.time())
+        if not keep:
+            break
+    _out(worker, "paced").with_suffix(".json").write_text(json.dumps(
+        {"node": cfg.node_index, "start": start, "ends": ends, "in_step": in_step}))

@@ -82,12 +82,13 @@ def _sample_cpu(pid: int, stop: threading.Event, samples: dict[int, list[tuple[f
 
 
 def lsgd_run(workers: int, seconds: float, run_dir: Path, algorithm: str = "lsgd",
-             eval_every: int = 0) -> dict:
-    """Run the workload under lsgd on one node; returns per-worker records and server CPU."""
+             eval_every: int = 0, **knobs: object) -> dict:
+    """Run the workload under lsgd on one node; returns per-worker records and server CPU.
+    ``knobs`` are more of the job's (``SYNC_EVERY``, ``RULE_ARGS``, ...)."""
     env = lsgd_env(ENTRY="bench.jobs:mlp", WORKERS=workers, MINUTES=seconds / 60, ITERATIONS="",
                    PORT=0, RUN_DIR=run_dir, JOB_ID=f"benchthr{workers}{algorithm}",
                    ALGORITHM=algorithm, BATCH_SIZE=BATCH, LR=0.05, MOMENTUM=0.9,
-                   BENCH_EVAL_EVERY=eval_every, ALPHA=min(0.1, 0.9 / workers))
+                   BENCH_EVAL_EVERY=eval_every, ALPHA=min(0.1, 0.9 / workers), **knobs)
     node = run_node(0, env, timeout=seconds + 120)
     stop, samples = threading.Event(), {}
     sampler = threading.Thread(target=_sample_cpu, args=(node.pid, stop, samples, 4.0), daemon=True)

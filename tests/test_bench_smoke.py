@@ -59,3 +59,42 @@ def test_rule_exchange_benchmark_smoke():
         assert r.extra["rounds"] == 2 and set(r.extra["phases_ms"]) == set(exchange.PHASES)
         assert r.extra["wire_bytes"] == 2 * lsgd.extra["wire_bytes"]  # every node up and down
     assert pull.unit == "ms" and pull.value > 0 and pull.met is not None
+
+
+def test_window_rate_counts_only_while_every_worker_trains():
+    from bench.hetero import window_rate
+
+    fast = {"ends": [0.5 + 0.01 * i for i in range(301)] + [5.0]}  # 100/s, then a long last call
+    slow = {"ends": [1.0 + 0.1 * i for i in range(21)] + [5.0]}  # from 1.0 to 3.0
+    assert abs(window_rate([fast, slow], fast) - 100) < 1  # counted over [1.0, 3.0]
+    assert abs(window_rate([fast, slow], slow) - 10) < 0.5
+    assert abs(window_rate([fast], fast) - 100) < 1  # the final wait (3.5 -> 5.0) left out
+
+
+def test_mixed_speeds_benchmark_smoke(tmp_path):
+    """One real 2-node job of the mixed-speeds benchmark (easgd-async, 3 s budget) and its row;
+    the harness checks the exact counter and raises otherwise."""
+    from bench import hetero
+
+    r = hetero.job("easgd-async", 2, 3.0, tmp_path / "run")
+    assert {w["node"] for w in r["workers"]} == {0, 1} and r["rounds"] == 1
+    row = hetero._row("easgd-async", r, 180.0, "fast node")
+    assert row.target == hetero.TARGET and row.value > row.extra["slow_steps_per_s"] > 0
+    assert row.extra["fast_idle_at_end_s"] >= 0 and len(row.extra["local_server_cpu_pct"]) == 2
+    assert "| easgd-async |" in hetero.table([row])
+
+
+def test_platoon_table_formats_the_ceiling_and_the_runs():
+    from bench import platoon
+    from bench.common import Result
+
+    ceiling = Result(platoon.TARGET, "ceiling", 13000.0, "samples/s", baseline=7000.0, ratio=1.86)
+    run = Result(platoon.TARGET, "samples/s, easgd-async, 2 workers", 12000.0, "samples/s",
+                 baseline=7000.0, ratio=12000 / 7000, goal="Platoon: 1.82x",
+                 extra={"rule": "easgd-async", "ratio_to_ceiling": 0.92, "time_in_lsgd_pct": 1.5,
+                        "local_server_cpu_pct": 2.0, "global_server_cpu_pct": 1.0, "syncs": 40.0,
+                        "ratios": [1.6, 12 / 7, 1.8]})
+    lines = platoon.table([ceiling, run]).splitlines()
+    assert "| two plain loops at once | 13,000 | **1.86x** |" in lines[2]
+    assert "| easgd-async, 2 workers | 12,000 | **1.71x** (1.60-1.80; Platoon 1.82x) | 0.92x |" in lines[3]
+    assert lines[3].endswith("| 40 |")

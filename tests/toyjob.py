@@ -9,7 +9,8 @@ TOYJOB_RAISE="<worker>:<step>[,<worker>:<step>...]" raises a Python error there 
 user's code), TOYJOB_NAN_LOSS=1 reports a NaN loss at every step (a job that never trains),
 TOYJOB_EXIT_SECONDS="<seconds>[:<evaluator's>]" delays the process's exit by that much (an exit
 handler, a slow teardown; the evaluator's may differ),
-TOYJOB_STEP_SECONDS slows each step, TOYJOB_EVAL_SECONDS each evaluation. With TOYJOB_COUNT_DIR
+TOYJOB_STEP_SECONDS slows each step (``"<node 0's>,<node 1's>,..."``: per node, the last one for the
+nodes not named), TOYJOB_EVAL_SECONDS each evaluation. With TOYJOB_COUNT_DIR
 set, each worker writes how many times it called ``worker.step`` to ``<dir>/<worker_id>.count``
 when its loop ends. TOYJOB_STATS=<k> adds k running statistics that training never changes,
 starting at the worker's id, and writes them to ``<dir>/<worker_id>.stats`` at the end.
@@ -17,9 +18,13 @@ With TOYJOB_COUNT_DIR set, a worker started again (respawned) writes the mean of
 parameters it started from to ``<dir>/<worker_id>.restart`` (the initial model's is 5.0).
 TOYJOB_SIZE sets the number of parameters (1000). TOYJOB_MOMENTUM=1 uses a momentum buffer, registered as the worker's own state; a resumed worker
 writes the norm of the buffer it got back to ``<dir>/<worker_id>.velocity``.
+TOYJOB_TIMES_DIR: each worker writes ``<dir>/<worker_id>.times``, JSON ``{"node", "start",
+"ends", "in_step"}``: the time before its first step, the time each ``worker.step`` call returned
+(``time.time()``), and the seconds spent inside those calls.
 """
 
 import atexit
+import json
 import math
 import os
 import signal
@@ -78,7 +83,10 @@ def main(worker):
     if momentum and worker.iterations and os.environ.get("TOYJOB_COUNT_DIR"):
         with open(os.path.join(os.environ["TOYJOB_COUNT_DIR"], f"{worker.worker_id}.velocity"), "w") as f:
             f.write(repr(float(np.linalg.norm(velocity))))
-    delay = float(os.environ.get("TOYJOB_STEP_SECONDS", "0"))
+    delays = [float(v) for v in os.environ.get("TOYJOB_STEP_SECONDS", "0").split(",")]
+    delay = delays[min(cfg.node_index, len(delays) - 1)]
+    times_dir = os.environ.get("TOYJOB_TIMES_DIR")
+    ends, in_step, start = [], 0.0, time.time()
     die, stall, quit_at = _fault("TOYJOB_DIE"), _fault("TOYJOB_STALL"), _fault("TOYJOB_QUIT")
     nan_at, raise_at = _fault("TOYJOB_NAN"), _faults("TOYJOB_RAISE")
     nan_loss = os.environ.get("TOYJOB_NAN_LOSS") == "1"
@@ -105,10 +113,19 @@ def main(worker):
             x -= np.float32(cfg.lr) * (x - target + noise)
         if delay:
             time.sleep(delay)
-        if not worker.step(math.nan if nan_loss else float(np.mean((x - target) ** 2))):
+        loss = math.nan if nan_loss else float(np.mean((x - target) ** 2))
+        t = time.perf_counter()
+        keep = worker.step(loss)
+        if times_dir:
+            in_step += time.perf_counter() - t
+            ends.append(time.time())
+        if not keep:
             break
         if (worker.worker_id, step) == quit_at:
             break
+    if times_dir:
+        with open(os.path.join(times_dir, f"{worker.worker_id}.times"), "w") as f:
+            json.dump({"node": cfg.node_index, "start": start, "ends": ends, "in_step": in_step}, f)
     count_dir = os.environ.get("TOYJOB_COUNT_DIR")
     if count_dir:
         with open(os.path.join(count_dir, f"{worker.worker_id}.count"), "w") as f:
