@@ -6,8 +6,8 @@ One bounded run per rule through ``train.sh`` (1 worker per node, a 3 s budget; 
 sleeps, so the machine's load moves little), plus the fast node alone, measured in the same
 test: its steps per second are the baseline. A rate is counted over the window in which both
 nodes train (``bench.hetero.window_rate``): start-up and the final round count against nobody.
-The real gap is ~1.0x against ~0.35x (also with four busy loops on the 2 cores); the thresholds
-leave room for a loaded machine.
+The real gap is ~1.0x against ~0.35x (also with four busy loops on the 2 cores); 0.9x is the
+bar issue 12 sets.
 ``python -m bench.hetero`` prints the same comparison for every rule (docs/benchmarks.md).
 """
 
@@ -24,7 +24,7 @@ from conftest import assert_clean_exit, global_summary
 FAST, SLOW = 0.005, 0.05  # seconds per step of node 0's and node 1's worker
 JOB = dict(ENTRY="toyjob:main", WORKERS=1, MINUTES=0.05, ITERATIONS="", SYNC_EVERY=0.05,
            G_COMM=16)  # short periods: a synchronous rule meets several times in the run
-ASYNC_KEEPS = 0.75  # an asynchronous rule: the fast node keeps at least this share of its rate
+ASYNC_KEEPS = 0.9  # an asynchronous rule: the fast node keeps at least this share (the issue)
 SYNC_HOLDS = 0.6  # a synchronous rule: the fast node is held below this share
 
 
