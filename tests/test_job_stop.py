@@ -146,6 +146,8 @@ class FakeNode(EndingMixin):
         self.rule = SimpleNamespace(exchange=exchange)
         self.cfg = SimpleNamespace(node_index=1, round_timeout=30.0)
         self.client = SimpleNamespace(stopped="", session=1)
+        stats = summary.pop("async_stats", None)
+        self.async_node = None if stats is None else SimpleNamespace(stats=lambda: stats)
         self.summary = summary
 
 
@@ -170,6 +172,12 @@ def worker(wid, error=None, reported=False, exitcode=0):
     (FakeNode([worker(0)], rounds=1, healthy=1, elected=1, exchange=Exchange.CENTER,
               deltas_lost=True), exitcodes.DEGRADED,  # an asynchronous rule's last deltas
      "last center deltas or mail did not reach the global server within ROUND_TIMEOUT (30 s)"),
+    (FakeNode([worker(0)], 1, 1, 1, Exchange.CENTER, async_stats={"rule_failures": 2}),
+     exitcodes.DEGRADED, "the rule failed in 2 exchange(s)"),
+    (FakeNode([worker(0)], 1, 1, 1, Exchange.CENTER, async_stats={"deltas_refused": 1}),
+     exitcodes.DEGRADED, "refused 1 center delta(s) of this node, which were dropped"),
+    (FakeNode([worker(0)], 1, 1, 1, Exchange.LEADER, async_stats={"mail_refused": 3}),
+     exitcodes.OK, "job finished"),  # refused mail stays on the node: nothing is lost
 ])
 def test_a_finished_node_says_whether_its_result_can_be_trusted(node, code, words):
     got, reason = node._ended(None)

@@ -136,6 +136,7 @@ class DeltaMixin:
         steady_heap()
         size = dtype.itemsize
         stage: np.ndarray | None = None
+        total: np.ndarray | None = None  # center + delta, checked before the center takes it
         pos, complete = 0, False
         try:
             for offset, data in chunks:
@@ -154,8 +155,17 @@ class DeltaMixin:
                     src = stage[:n]
                 lo = max(pos, skip)  # what a broken upload of this delta added already
                 if lo < pos + n:
+                    if total is None or total.size < n:
+                        total = aligned_empty(n, center.dtype)
                     with self._cond:  # one chunk at a time: concurrent deltas all add up
-                        center[lo : pos + n] += src[lo - pos :]
+                        out = total[:pos + n - lo]
+                        with np.errstate(over="ignore"):  # checked just below
+                            np.add(center[lo : pos + n], src[lo - pos :], out=out)
+                        if not np.isfinite(out).all():  # finite, yet too big: refused (its earlier chunks stay)
+                            raise ParamError("INVALID_ARGUMENT", "delta would make the center "
+                                             "non-finite at element "
+                                             f"{lo + int(np.argmin(np.isfinite(out)))}")
+                        center[lo : pos + n] = out
                         self.deltas.progress(node, pos + n)
                 pos += n
             if pos != center.size:

@@ -94,11 +94,14 @@ class Mailboxes:
                 others = sorted(set(live) - {node})
                 dest = self.rng.choice(others) if others else node
                 box = self._boxes.setdefault(dest, _Box())
-                if box.pending is None:
-                    box.pending, box.pending_weight = stage, weight
-                else:
-                    box.pending += stage
-                    box.pending_weight += weight
+                if box.pending is not None:  # into the new vector: the old stays whole
+                    with np.errstate(over="ignore"):  # checked just below
+                        np.add(box.pending, stage, out=stage)
+                    if not np.isfinite(stage).all():
+                        raise ParamError("INVALID_ARGUMENT", "mail would make a mailbox "
+                                         "non-finite (finite values, yet too big)")
+                    weight += box.pending_weight
+                box.pending, box.pending_weight = stage, weight
                 sender.posted = seq
                 self.posted += 1
                 return dest

@@ -78,6 +78,10 @@ class AsyncNode:
         self.exchanges = 0
         self.syncs = 0
         self.failures = 0
+        self.rule_failures = 0  # exchanges the rule raised in
+        self.refused = 0  # center deltas the global server refused for good (dropped)
+        self.retired: set[int] = set()  # workers that left for good
+        self._syncing = threading.Lock()  # one sync at a time: the thread's or flush's
         self._dirty = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,6 +101,9 @@ class AsyncNode:
     def clear_mail(self, mine: Mine) -> None:
         self.mailroom.clear(mine)
 
+    def bequeath(self, mine: Mine, x: np.ndarray, weight: float) -> None:
+        self.mailroom.bequeath(mine.local, x, weight)
+
     def start_worker(self, local: int) -> None:
         """Worker ``local`` starts (again) from its slot."""
         with self.lock:
@@ -104,12 +111,25 @@ class AsyncNode:
 
     def restart_worker(self, local: int) -> None:
         """Worker ``local`` starts again (respawned) from the node's copy of the center; with
-        no center (gossip), from its slot: its parameters at its last exchange."""
+        no center (gossip), from its slot: its parameters at its last exchange (the node's
+        newest exchanged ones if it died having written non-finite values there)."""
         x = self.store.slot(local)[:self.moved]
         with self.lock:
-            if self.center is not None:
-                ops.copy_(x, self.center)
+            if self.center is not None or not ops.all_finite(x):
+                ops.copy_(x, self._fallback())
             self.rule.start_(x, self.mine(local))
+
+    def retire_worker(self, local: int) -> None:
+        """Worker ``local`` left the job for good (not restarted): the rule hands on what it
+        held (``AsyncRule.retire_``), once."""
+        with self.lock:
+            if local in self.retired or self.closed:
+                return
+            self.retired.add(local)
+            x = self.store.slot(local)[:self.moved]
+            self.rule.retire_(x if ops.all_finite(x) else self._fallback(), self.mine(local),
+                              self)
+        self._dirty.set()
 
     def _fallback(self) -> np.ndarray:
         """What a diverged worker is reset to: the center; with none, the newest parameters
@@ -128,7 +148,18 @@ class AsyncNode:
                 self.rule.start_(x, self.mine(local))
                 return True, math.nan, True
             self._current = local
-            distance = self.rule.exchange_(action, x, self.mine(local), self)
+            try:
+                distance = self.rule.exchange_(action, x, self.mine(local), self)
+            except Exception as exc:  # noqa: BLE001 - a rule's bug must not end the node
+                self.rule_failures += 1
+                log.log(logging.ERROR if self.rule_failures in (1, 10, 100) else logging.DEBUG,
+                        "rule %s failed in an exchange of worker %d (%d so far); the worker "
+                        "starts again from %s: %s: %s", self.rule.name, local,
+                        self.rule_failures, "the center" if self.center is not None
+                        else "the node's newest exchanged parameters", type(exc).__name__, exc)
+                ops.copy_(x, self._fallback())
+                self.rule.start_(x, self.mine(local))
+                return True, math.nan, True
             self.exchanges += 1
             if self.latest is not None:
                 ops.copy_(self.latest, x)
@@ -156,10 +187,11 @@ class AsyncNode:
         """Send the node's deltas and fetch the center (gossip: send and take mail). Returns
         whether it all went through."""
         try:
-            if self.mailroom is not None:
-                self.mailroom.sync()
-            else:
-                self._sync_center()
+            with self._syncing:
+                if self.mailroom is not None:
+                    self.mailroom.sync()
+                else:
+                    self._sync_center()
         except (grpc.RpcError, ValueError) as exc:
             self.failures += 1
             details = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -184,7 +216,15 @@ class AsyncNode:
                 self.outbox.fill(0.0)
                 self.seq += 1
                 self.owed = True
-        self.client.push("center_delta", self.store.buffer(SENDING), self.seq, wire="float32")
+        try:
+            self.client.push("center_delta", self.store.buffer(SENDING), self.seq,
+                             wire="float32")
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise  # out of reach, or busy: sent again under the same number
+            self.refused += 1  # it would be refused again: the next delta goes on
+            log.error("the global server refused center delta %d (%s); it is dropped (the "
+                      "center may hold a part of it)", self.seq, exc.details())
         self.owed = False
         self.client.pull(CENTER, self.store.buffer(INCOMING), 0, wire=self.wire)
         with self.lock:
@@ -198,31 +238,39 @@ class AsyncNode:
             self._thread.join(5.0)
 
     def flush(self, timeout: float) -> bool:
-        """The job ends: stop the thread, send what is left (within ``timeout`` s), and move
-        nothing more. Returns whether every delta reached the global server."""
+        """The job ends: stop the thread, send what is left, and move nothing more. No sync
+        starts after ``timeout`` s, and none runs beside the thread's (a sync already in
+        flight ends within its calls' deadlines). Returns whether every delta (gossip: every
+        mail) reached the global server."""
         end = time.monotonic() + timeout
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
         with self.lock:
             self.closed = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():  # stuck in a call to the server: never beside it
+                log.warning("the node's last center deltas did not reach the global server "
+                            "within %g s (a sync still waits for it)", timeout)
+                return False
         take = self.mailroom is not None  # gossip: take this node's mail once more, too
         while take or self.pending:
-            if self.sync():
-                take = False
-                continue
             if time.monotonic() >= end:
                 log.warning("the node's last center deltas did not reach the global server "
                             "within %g s", timeout)
                 return False
-            time.sleep(RETRY)
+            if self.sync():
+                take = False
+            else:
+                time.sleep(min(RETRY, max(0.0, end - time.monotonic())))
         return True
 
     def stats(self) -> dict:
-        out = {"exchanges": self.exchanges, "syncs": self.syncs, "sync_failures": self.failures}
+        out = {"exchanges": self.exchanges, "syncs": self.syncs, "sync_failures": self.failures,
+               "rule_failures": self.rule_failures}
         if self.mailroom is None:
-            return out | {"deltas_sent": self.seq - int(self.owed)}
+            return out | {"deltas_sent": self.seq - int(self.owed), "deltas_refused": self.refused}
         room = self.mailroom
         return out | {"mail_sent": room.sent - int(room.owed), "mail_received": room.received,
+                      "mail_refused": room.refused,
                       "weights": {i: s.get("weight") for i, s in self.scalars.items()},
                       "mail_weight": room.weights()}

@@ -12,6 +12,8 @@ import math
 import time
 
 from . import messages as m
+from .global_client import RPC_TIMEOUT
+from .mailroom import MAX_TAKES
 from .state import WorkerState
 
 log = logging.getLogger("lsgd.local_server.server")
@@ -45,6 +47,9 @@ class AsyncMixin:
         if self.async_node is None:
             return
         self.view.wait("final round: sending this node's last center deltas", key="final")
-        with self.liveness.blocking(self.cfg.round_timeout + 5):
+        # flush starts no sync after round_timeout; one in flight ends within its calls'
+        # deadlines (a push and at most MAX_TAKES + 1 downloads, each round_timeout + RPC_TIMEOUT)
+        one_sync = (MAX_TAKES + 2) * (self.cfg.round_timeout + RPC_TIMEOUT)
+        with self.liveness.blocking(self.cfg.round_timeout + one_sync + 5):
             if not self.async_node.flush(self.cfg.round_timeout):
                 self.summary["deltas_lost"] = True

@@ -92,6 +92,14 @@ class EndingMixin:
         elif seen["rounds"] and not seen["elected"] and self.rule.exchange == Exchange.LEADER:
             out.append("no leader was ever elected (no worker had a full window of finite "
                        "losses at a round; see AVG_SIZE)")
+        node = getattr(self, "async_node", None)
+        stats = node.stats() if node is not None else {}
+        if stats.get("rule_failures"):
+            out.append(f"the rule failed in {stats['rule_failures']} exchange(s), each worker "
+                       "reset (the first error is in the log)")
+        if stats.get("deltas_refused"):
+            out.append(f"the global server refused {stats['deltas_refused']} center delta(s) of "
+                       "this node, which were dropped (the reason is in the log)")
         if self.summary.get("deltas_lost"):
             out.append("this node's last center deltas or mail did not reach the global server "
                        f"within ROUND_TIMEOUT ({self.cfg.round_timeout:g} s): the final "

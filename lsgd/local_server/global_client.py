@@ -8,6 +8,7 @@ node shared memory and the server in raw float32 chunks (no full-size copies).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -306,9 +307,12 @@ class GlobalClient:
                 pos += n
         finally:
             stream.cancel()
-        if weight is None or pos != out.size or not (0.0 < weight <= 1.0 + 1e-6):
+        # (a weight, not a share: the job's weights sum to 1 only until a node is lost)
+        if weight is None or pos != out.size or not (0.0 < weight < math.inf):
             raise ValueError(f"mail delivery {number} ended at {pos} of {out.size} elements "
                              f"(weight {weight})")
+        if not np.isfinite(out).all():
+            raise ValueError(f"mail delivery {number} has non-finite values")
         return weight
 
 

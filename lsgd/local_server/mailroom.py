@@ -16,13 +16,17 @@ or on the global server (``weights``).
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
 
+import grpc
 import numpy as np
 
 from ..rules.asynchronous import INCOMING, MAIL, MAILSEND, OUTMAIL, Mine
 from .store import NodeStore
+
+log = logging.getLogger(__name__)
 
 MAX_TAKES = 8  # deliveries taken in one sync at most
 
@@ -44,6 +48,8 @@ class MailRoom:
         self.owed = False
         self.delivery = 1  # the delivery number to ask for next
         self.received = 0  # deliveries with mail
+        self.retired: set[int] = set()  # workers that left for good: no mail goes to them
+        self.refused = 0  # mail the global server refused (kept on this node instead)
         for i in range(workers):
             self.box(i).fill(0.0)
 
@@ -52,19 +58,43 @@ class MailRoom:
 
     # ------------------------------------------------------------------ under the node's lock
     def post(self, sender: int, x: np.ndarray, weight: float) -> None:
-        """``weight * x`` for a random other worker of the job."""
-        others = self.job_workers - 1
+        """``weight * x`` for a random other worker of the job (of this node: one that
+        still trains)."""
+        peers = [i for i in range(self.workers) if i != sender and i not in self.retired]
+        others = len(peers) + self.job_workers - self.workers
         if others < 1:
             self.weight[sender] += weight  # alone: it keeps what it would send
             return
         pick = self.rng.randrange(others)
-        if pick < self.workers - 1:  # a worker of this node
-            peer = pick if pick < sender else pick + 1
-            self.box(peer).__iadd__(np.float32(weight) * x)
-            self.weight[peer] += weight
+        if pick < len(peers):  # a worker of this node
+            self._give(peers[pick], np.float32(weight) * x, weight)
         else:
             self.out += np.float32(weight) * x
             self.out_weight += weight
+
+    def _give(self, peer: int, weighted: np.ndarray, weight: float) -> None:
+        self.box(peer).__iadd__(weighted)
+        self.weight[peer] += weight
+
+    def _heir(self) -> int | None:
+        """A random worker of this node that still trains (None: none does)."""
+        live = [i for i in range(self.workers) if i not in self.retired]
+        return self.rng.choice(live) if live else None
+
+    def bequeath(self, local: int, x: np.ndarray, weight: float) -> None:
+        """Worker ``local`` left for good: its weight (with ``x``) and its mailbox go to a
+        worker of this node that still trains, and no mail goes to it any more. With none
+        left (the node is ending) they stay in its mailbox: counted, not lost."""
+        self.retired.add(local)
+        heir = self._heir()
+        if heir is None:
+            self.retired.discard(local)
+            heir = local
+        self._give(heir, np.float32(weight) * x, weight)
+        if heir != local:
+            self._give(heir, self.box(local), self.weight[local])
+            self.box(local).fill(0.0)
+            self.weight[local] = 0.0
 
     def mail(self, mine: Mine) -> tuple[np.ndarray, float]:
         return self.box(mine.local), self.weight[mine.local]
@@ -85,7 +115,13 @@ class MailRoom:
                 self.sent += 1
                 self.owed = True
         if self.owed:
-            self.client.push_mail(self.store.buffer(MAILSEND), self.sent, self.sending_weight)
+            try:
+                self.client.push_mail(self.store.buffer(MAILSEND), self.sent,
+                                      self.sending_weight)
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise  # out of reach, or busy: sent again
+                self._keep_refused(exc.details())
             self.owed, self.sending_weight = False, 0.0
         incoming = self.store.buffer(INCOMING)
         for _ in range(MAX_TAKES):  # until the server has none: the last ask acknowledges all
@@ -93,11 +129,19 @@ class MailRoom:
             if weight == 0:
                 return
             with self.lock:
-                peer = self.rng.randrange(self.workers)
-                self.box(peer).__iadd__(incoming[:self.moved])
-                self.weight[peer] += weight
+                self._give(self._heir() or 0, incoming[:self.moved], weight)
             self.delivery += 1  # asking for the next acknowledges this one
             self.received += 1
+
+    def _keep_refused(self, why: str) -> None:
+        """The server refused this mail for good (it would be refused again): a worker of this
+        node takes it, so its weight stays in the job."""
+        self.refused += 1
+        log.error("the global server refused mail %d (%s); a worker of this node takes it "
+                  "instead", self.sent, why)
+        with self.lock:
+            self._give(self._heir() or 0, self.store.buffer(MAILSEND)[:self.moved],
+                       self.sending_weight)
 
     @property
     def pending(self) -> bool:

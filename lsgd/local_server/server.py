@@ -295,6 +295,10 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
                 self.report.released += w.outstanding
                 w.outstanding = 0
                 w.released = True
+        if self.async_node is not None and not self.stopping:
+            for w in self.workers:  # gone for good (not restarted): its rule hands on its part
+                if w.gone and w.local not in self.async_node.retired:
+                    self.async_node.retire_worker(w.local)
         ev = self.evaluator
         if ev is not None and not ev.gone and ev.proc.exitcode is not None:
             end_group(ev.proc.pid)

@@ -127,6 +127,9 @@ def _exchanges(exchanges: int, rounds: dict, stats: dict) -> str:
     final = rounds.get("final", 0)
     sent = (f"{stats['deltas_sent']} center deltas sent" if "deltas_sent" in stats else
             f"mail {stats.get('mail_sent', 0)} sent, {stats.get('mail_received', 0)} received")
+    refused = stats.get("deltas_refused") or stats.get("mail_refused")
+    if refused:  # deltas dropped; mail kept on the node
+        sent += f" ({refused} refused by the global server)"
     failed = stats.get("sync_failures", 0)
     also = (f", {failed} sync{'' if failed == 1 else 's'} with the global server failed and "
             "went again" if failed else "")

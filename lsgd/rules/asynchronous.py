@@ -70,6 +70,8 @@ class NodeSide(Protocol):
 
     def clear_mail(self, mine: Mine) -> None: ...
 
+    def bequeath(self, mine: Mine, x: np.ndarray, weight: float) -> None: ...
+
 
 class AsyncRule(Rule):
     """Base class of the asynchronous rules: a center, no barrier, no rounds."""
@@ -91,6 +93,12 @@ class AsyncRule(Rule):
     def start_(self, x: np.ndarray, mine: Mine) -> None:
         """A worker starts, or starts again (respawned, reset) from ``x``: set its
         ``worker_buffers``."""
+
+    def retire_(self, x: np.ndarray, mine: Mine, node: NodeSide) -> None:
+        """Worker ``mine`` left the job for good (not restarted): hand on what the job must
+        not lose with it. ``x``: its parameters (its slot; the node's newest exchanged
+        parameters if those are not finite). A center rule loses nothing: the worker's
+        deltas are in the outbox already."""
 
     @abstractmethod
     def exchange_(self, action: int, x: np.ndarray, mine: Mine, node: NodeSide) -> float:

@@ -48,9 +48,11 @@ class GoSGD(AsyncRule):
 
     @classmethod
     def from_config(cls, config, **args) -> "GoSGD":
+        if "workers" in args:  # the weights start at 1 / workers: it must be the job's count
+            raise ValueError("gosgd takes no 'workers' argument: it is the job's workers, "
+                             "NUM_GROUPS x WORKERS")
         args.setdefault("p", 1.0 / config.g_comm)  # one exchange per G_COMM steps on average
-        args.setdefault("workers", config.num_groups * config.workers)
-        return cls(**args)
+        return cls(workers=config.num_groups * config.workers, **args)
 
     @property
     def node_buffers(self) -> tuple[str, ...]:
@@ -61,6 +63,11 @@ class GoSGD(AsyncRule):
 
     def start_(self, x: np.ndarray, mine: Mine) -> None:
         mine.scalars.setdefault(WEIGHT, 1.0 / self.workers)  # a respawned worker keeps its own
+
+    def retire_(self, x: np.ndarray, mine: Mine, node: NodeSide) -> None:
+        """Its weight (with ``x``) and its unread mail go to a worker of the node that still
+        trains, so the job's weights keep their sum."""
+        node.bequeath(mine, x, mine.scalars.pop(WEIGHT, 0.0))
 
     def exchange_(self, action: int, x: np.ndarray, mine: Mine, node: NodeSide) -> float:
         weight = mine.scalars[WEIGHT]
