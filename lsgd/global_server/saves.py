@@ -14,8 +14,8 @@ without state) loads with that state at zero.
 Asynchronous rules move the center by deltas (``deltas.py``), a chunk at a time under the lock,
 without a version: the ledger's ``moves`` count them, a save writes when they moved and starts
 again when one landed while it wrote, and the ledger (which delta of which node was added how
-far) is saved with the center it describes (members ``deltas``, ``delta_counts``), so a restarted
-server adds a delta sent again only where its saved center lacks it.
+far) is saved with the center it describes (members ``deltas``, ``delta_counts``, once there is
+one), so a restarted server adds a delta sent again only where its saved center lacks it.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class SavedParams:
             if not live[CENTER] and old is not None and DELTAS in old.members():
                 for member in (DELTAS, DELTA_COUNTS):  # with the center they describe
                     out.copy(old, member)
-            else:
+            elif ledger.size or counts.any():  # (a synchronous rule's save has none)
                 out.small(DELTAS, ledger)
                 out.small(DELTA_COUNTS, counts)
             out.small("flags", np.array(flags, dtype=np.bool_))
