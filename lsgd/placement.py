@@ -1,0 +1,160 @@
+"""Where a node stands in the job, read from a cluster launcher's environment (issue 13, step 1).
+
+Pure: an environment (a mapping) goes in, a ``Placement`` (node index, number of nodes, node 0's
+address, and where they came from) or a ``PlacementError`` comes out. Not wired into
+``train.sh`` / ``lsgd train`` yet.
+
+- **Slurm** (``SLURM_JOB_ID``, ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_JOB_NODELIST``): one
+  task per node; the node index is ``SLURM_PROCID``, the number of nodes ``SLURM_NTASKS``, node
+  0's address the first host of the node list (``expand_hostlist``: Slurm's compressed syntax,
+  ``gpu-[01-03,07],cpu5``). Tasks per node other than one are refused, naming the fix.
+- **Kubernetes** Indexed Job (``JOB_COMPLETION_INDEX``): the node index; the number of nodes
+  and node 0's address (the headless Service's DNS name) come from the manifest's
+  ``NUM_GROUPS`` and ``IP_ADDR``, which must be set.
+- ``NODE`` or ``NUM_GROUPS`` set by the user must agree with the launcher (else one line names
+  both); ``IP_ADDR`` set by the user wins (node 0 on another network). Nothing falls back
+  silently to localhost.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+MAX_HOSTS = 100_000  # a node list expanding to more is refused (a typo such as [1-1000000])
+
+
+class PlacementError(ValueError):
+    """The launcher's environment does not place this node: one line, naming the variable."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    node_index: int
+    num_groups: int
+    ip_addr: str
+    source: str  # "slurm" | "kubernetes"
+
+
+# ---------------------------------------------------------------------- Slurm's host lists
+def _split_top(text: str) -> list[str]:
+    """Split at the commas outside brackets."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch == "[":
+            depth += 1
+            if depth > 1:
+                raise PlacementError(f"host list {text!r}: nested brackets")
+        elif ch == "]":
+            depth -= 1
+            if depth < 0:
+                raise PlacementError(f"host list {text!r}: ']' without '['")
+        elif ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise PlacementError(f"host list {text!r}: '[' without ']'")
+    parts.append(text[start:])
+    return parts
+
+
+def _range(spec: str, text: str) -> list[str]:
+    """``01-03,07`` -> ``01 02 03 07`` (the width of the lower bound kept)."""
+    out = []
+    for item in spec.split(","):
+        m = re.fullmatch(r"(\d+)(?:-(\d+))?", item)
+        if m is None:
+            raise PlacementError(f"host list {text!r}: {item!r} is not a number or a range")
+        lo, hi = m.group(1), m.group(2) or m.group(1)
+        if int(hi) < int(lo):
+            raise PlacementError(f"host list {text!r}: range {item!r} runs backwards")
+        if int(hi) - int(lo) >= MAX_HOSTS:
+            raise PlacementError(f"host list {text!r}: range {item!r} has over {MAX_HOSTS} hosts")
+        out += [str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1)]
+    return out
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's compressed host list, expanded in order: ``gpu-[01-03,07],cpu5`` ->
+    ``gpu-01 gpu-02 gpu-03 gpu-07 cpu5``; several brackets in one name make every
+    combination (``r[1-2]n[1-2]`` -> ``r1n1 r1n2 r2n1 r2n2``), as ``scontrol show hostnames``."""
+    text = text.strip()
+    if not text:
+        raise PlacementError("host list is empty")
+    hosts: list[str] = []
+    for part in _split_top(text):
+        if not part:
+            raise PlacementError(f"host list {text!r}: an empty name")
+        pieces = re.split(r"\[([^\]]*)\]", part)  # literal, range, literal, range, ..., literal
+        choices = [[p] if i % 2 == 0 else _range(p, text) for i, p in enumerate(pieces)]
+        count = 1
+        for c in choices:
+            count *= len(c)
+        if len(hosts) + count > MAX_HOSTS:
+            raise PlacementError(f"host list {text!r}: over {MAX_HOSTS} hosts")
+        hosts += ["".join(combo) for combo in itertools.product(*choices)]
+    return hosts
+
+
+# ---------------------------------------------------------------------- the environment
+def _int(env: Mapping[str, str], name: str, low: int = 0) -> int:
+    raw = env.get(name, "")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise PlacementError(f"{name}={raw!r} is not a whole number") from None
+    if value < low:
+        raise PlacementError(f"{name}={value} must be >= {low}")
+    return value
+
+
+def _slurm(env: Mapping[str, str], hosts: list[str] | None) -> Placement:
+    ntasks = _int(env, "SLURM_NTASKS", 1)
+    procid = _int(env, "SLURM_PROCID")
+    if procid >= ntasks:
+        raise PlacementError(f"SLURM_PROCID={procid} is not below SLURM_NTASKS={ntasks}")
+    hosts = hosts if hosts is not None else expand_hostlist(env["SLURM_JOB_NODELIST"])
+    nodes = _int(env, "SLURM_JOB_NUM_NODES", 1) if env.get("SLURM_JOB_NUM_NODES") else len(hosts)
+    per_node = env.get("SLURM_NTASKS_PER_NODE", "")
+    if ntasks != nodes or (per_node and per_node != "1"):
+        raise PlacementError(
+            f"lsgd runs one task per node; Slurm gave SLURM_NTASKS={ntasks} on {nodes} node(s)"
+            + (f" (SLURM_NTASKS_PER_NODE={per_node})" if per_node else "")
+            + ": use `srun --ntasks-per-node=1` (or #SBATCH --ntasks-per-node=1)")
+    return Placement(procid, ntasks, hosts[0], "slurm")
+
+
+def _kubernetes(env: Mapping[str, str]) -> Placement:
+    index = _int(env, "JOB_COMPLETION_INDEX")
+    if not env.get("NUM_GROUPS") or not env.get("IP_ADDR"):
+        raise PlacementError("JOB_COMPLETION_INDEX is set (a Kubernetes Indexed Job) but "
+                             "NUM_GROUPS and IP_ADDR are not: set them in the manifest (IP_ADDR: "
+                             "node 0's name in the headless Service)")
+    num_groups = _int(env, "NUM_GROUPS", 1)
+    if index >= num_groups:
+        raise PlacementError(f"JOB_COMPLETION_INDEX={index} is not below NUM_GROUPS={num_groups} "
+                             "(the Job's completions must equal NUM_GROUPS)")
+    return Placement(index, num_groups, env["IP_ADDR"], "kubernetes")
+
+
+def from_env(env: Mapping[str, str], hosts: list[str] | None = None) -> Placement | None:
+    """This node's placement from a launcher's environment (None: no launcher found).
+    ``hosts``: Slurm's node list already expanded (by ``scontrol show hostnames``, where it
+    exists)."""
+    if all(env.get(k) for k in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_NTASKS",
+                                "SLURM_JOB_NODELIST")):
+        found = _slurm(env, hosts)
+    elif env.get("JOB_COMPLETION_INDEX", "") != "":
+        found = _kubernetes(env)
+    else:
+        return None
+    node = _int(env, "NODE") if env.get("NODE") else found.node_index
+    groups = _int(env, "NUM_GROUPS", 1) if env.get("NUM_GROUPS") else found.num_groups
+    for knob, mine, theirs in (("NODE", node, found.node_index),
+                               ("NUM_GROUPS", groups, found.num_groups)):
+        if mine != theirs:
+            raise PlacementError(f"{knob}={mine} disagrees with {found.source}, which makes it "
+                                 f"{theirs}: unset {knob} (the launcher sets it) or fix it")
+    return Placement(node, groups, env.get("IP_ADDR") or found.ip_addr, found.source)

@@ -1,0 +1,75 @@
+"""A node's place in the job from Slurm's or Kubernetes' environment (issue 13, step 1): the
+host-list parser and the mapping, pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from lsgd.placement import Placement, PlacementError, expand_hostlist, from_env
+
+
+@pytest.mark.parametrize("text, hosts", [
+    ("node1", ["node1"]),
+    ("gpu-[01-03,07],cpu5", ["gpu-01", "gpu-02", "gpu-03", "gpu-07", "cpu5"]),
+    ("a[8-11]", ["a8", "a9", "a10", "a11"]),  # the lower bound's width: no padding here
+    ("n[098-101]", ["n098", "n099", "n100", "n101"]),
+    ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),  # every combination, in order
+    ("x[3],y[1,2]-ib", ["x3", "y1-ib", "y2-ib"]),
+    (" c1,c2 ", ["c1", "c2"]),
+])
+def test_slurm_host_lists_expand_as_scontrol_does(text, hosts):
+    assert expand_hostlist(text) == hosts
+
+
+@pytest.mark.parametrize("text, words", [
+    ("", "empty"), ("gpu-[01-03", "'[' without ']'"), ("gpu-01]", "']' without '['"),
+    ("a[[1-2]]", "nested"), ("a[3-1]", "backwards"), ("a[1-x]", "not a number"),
+    ("a,,b", "an empty name"), ("a[0-999999]", "over 100000"),
+])
+def test_a_bad_host_list_is_one_clear_error(text, words):
+    with pytest.raises(PlacementError, match="host list|empty") as e:
+        expand_hostlist(text)
+    assert words in str(e.value)
+
+
+SLURM = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "1", "SLURM_NTASKS": "3",
+         "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "gpu-[01-03]"}
+
+
+def test_slurm_places_one_node_per_task_with_node_0_on_the_first_host():
+    assert from_env(SLURM) == Placement(1, 3, "gpu-01", "slurm")
+    # scontrol's own expansion is taken as given
+    assert from_env(SLURM, hosts=["h7", "h8", "h9"]).ip_addr == "h7"
+    # the user's IP_ADDR wins (node 0 on another network); NODE / NUM_GROUPS must agree
+    assert from_env(SLURM | {"IP_ADDR": "10.0.0.5", "NUM_GROUPS": "3", "NODE": "1"}) == \
+        Placement(1, 3, "10.0.0.5", "slurm")
+
+
+@pytest.mark.parametrize("extra, words", [
+    ({"SLURM_NTASKS": "6"}, "one task per node; Slurm gave SLURM_NTASKS=6 on 3 node(s)"),
+    ({"SLURM_NTASKS_PER_NODE": "2"}, "SLURM_NTASKS_PER_NODE=2"),
+    ({"SLURM_PROCID": "3"}, "SLURM_PROCID=3 is not below SLURM_NTASKS=3"),
+    ({"SLURM_PROCID": "one"}, "SLURM_PROCID='one' is not a whole number"),
+    ({"NUM_GROUPS": "2"}, "NUM_GROUPS=2 disagrees with slurm, which makes it 3"),
+    ({"NODE": "0"}, "NODE=0 disagrees with slurm, which makes it 1"),
+    ({"SLURM_JOB_NODELIST": "gpu-[01-03"}, "'[' without ']'"),
+])
+def test_a_slurm_misfit_names_the_variable_and_the_fix(extra, words):
+    with pytest.raises(PlacementError) as e:
+        from_env(SLURM | extra)
+    assert words in str(e.value)
+    assert "--ntasks-per-node=1" in str(e.value) or "one task" not in str(e.value)
+
+
+def test_kubernetes_takes_the_index_and_needs_num_groups_and_ip_addr():
+    env = {"JOB_COMPLETION_INDEX": "2", "NUM_GROUPS": "4", "IP_ADDR": "lsgd-0.lsgd"}
+    assert from_env(env) == Placement(2, 4, "lsgd-0.lsgd", "kubernetes")
+    with pytest.raises(PlacementError, match="NUM_GROUPS and IP_ADDR are not"):
+        from_env({"JOB_COMPLETION_INDEX": "0", "NUM_GROUPS": "2"})
+    with pytest.raises(PlacementError, match="JOB_COMPLETION_INDEX=4 is not below NUM_GROUPS=4"):
+        from_env(env | {"JOB_COMPLETION_INDEX": "4"})
+
+
+def test_no_launcher_is_none_and_a_partial_slurm_environment_is_not_slurm():
+    assert from_env({}) is None
+    assert from_env({"SLURM_JOB_ID": "5"}) is None  # e.g. a login shell inside an allocation
