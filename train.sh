@@ -2,6 +2,7 @@
 # Run one node of an lsgd job.
 #
 #   bash train.sh <node-index>
+#   srun --ntasks-per-node=1 bash train.sh    # under Slurm (or a Kubernetes Indexed Job)
 #
 # Node 0 also starts the global server. With the defaults below the whole job runs on this
 # machine. For several machines, set ip_addr to node 0's address and num_groups to the number of
@@ -12,6 +13,19 @@
 #   ALGORITHM=easgd ALPHA=0.1 bash train.sh 0                         # EASGD instead of LSGD
 #   C1=0.2 C2=0.05 bash train.sh 0                                    # other LSGD pull strengths
 set -euo pipefail
+PYTHON="${PYTHON:-python3}"
+
+# --- a cluster launcher places the node when no node index is given (docs/architecture.md):
+# Slurm (srun, one task per node: index SLURM_PROCID, NUM_GROUPS SLURM_NTASKS, IP_ADDR the
+# first host of SLURM_JOB_NODELIST) or a Kubernetes Indexed Job (index JOB_COMPLETION_INDEX)
+if [ $# -eq 0 ]; then
+    placed="$("$PYTHON" -m lsgd place)" || exit 2   # a misfit: one line said which and why
+    if [ -n "$placed" ]; then
+        read -r node_index NUM_GROUPS IP_ADDR launcher <<< "$placed"
+        echo "lsgd: node $node_index of $NUM_GROUPS, placed by $launcher; node 0 at $IP_ADDR" >&2
+        set -- "$node_index"
+    fi
+fi
 
 # --- where the job runs -------------------------------------------------------------------
 ip_addr="${IP_ADDR:-127.0.0.1}"     # address of node 0 (global server)
@@ -70,10 +84,10 @@ tensorboard="${TENSORBOARD:-0}"          # 1: TensorBoard events in RUN_DIR/tens
 log_level="${LOG_LEVEL:-INFO}"           # WARNING: no progress, only problems
 
 if [ $# -ne 1 ]; then
-    echo "usage: bash train.sh <node-index>   (0 .. num_groups-1; node 0 hosts the global server)" >&2
+    echo "usage: bash train.sh <node-index>   (0 .. num_groups-1; node 0 hosts the global server;" \
+         "under srun or a Kubernetes Indexed Job it may be left out)" >&2
     exit 2
 fi
-PYTHON="${PYTHON:-python3}"
 
 exec "$PYTHON" -m lsgd train \
     --node-index "$1" --ip-addr "$ip_addr" --port "$port" --num-groups "$num_groups" \

@@ -16,7 +16,8 @@ Exit status (``lsgd/exitcodes.py``; the last lines say what happened)::
     1    this node failed (global server lost for good, no worker left, an internal error)
     2    bad configuration or input (one line names it)
     3    the job finished, but with problems: a worker failed and was not restarted, every
-         loss was non-finite, or (LSGD) no leader was ever elected
+         loss was non-finite, (LSGD) no leader was ever elected, or (a rule without a barrier)
+         the node's last deltas never reached the global server
     4    the job was stopped on node 0 (interrupted, or failed); this node stopped cleanly
     130  SIGINT (Ctrl-C) on this node; on node 0 it stops the whole job
     143  SIGTERM on this node; on node 0 it stops the whole job
@@ -38,7 +39,7 @@ import threading
 import typing
 from pathlib import Path
 
-from . import exitcodes
+from . import exitcodes, placement
 from . import plot as plot_command
 from .config import ConfigError, JobConfig, fields
 from .files import private_dir, write_atomic
@@ -93,6 +94,8 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--days", type=int, default=365, help="validity of the certificates")
     status_command.add_parser(sub)
     plot_command.add_parser(sub)
+    sub.add_parser("place", help="this node's place from Slurm's or a Kubernetes Indexed Job's "
+                   "environment (train.sh calls it when no node index is given)")
     return parser
 
 
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
         return status_command.main(args)
     if args.command == "plot":
         return plot_command.main(args)
+    if args.command == "place":
+        return placement.main()
     level = getattr(logging, args.log_level)
     if (args.progress_every or 0) > 0 and level <= logging.INFO and _is_tty(sys.stderr):
         os.environ[LIVE_LINE_ENV] = "1"  # every process's log records clear the live line

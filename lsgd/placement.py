@@ -1,8 +1,8 @@
-"""Where a node stands in the job, read from a cluster launcher's environment (issue 13, step 1).
+"""Where a node stands in the job, read from a cluster launcher's environment (issue 13).
 
 Pure: an environment (a mapping) goes in, a ``Placement`` (node index, number of nodes, node 0's
-address, and where they came from) or a ``PlacementError`` comes out. Not wired into
-``train.sh`` / ``lsgd train`` yet.
+address, and where they came from) or a ``PlacementError`` comes out. ``lsgd place``
+(``main``) prints it for ``train.sh``, which calls it when no node index is given.
 
 - **Slurm** (``SLURM_JOB_ID``, ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_JOB_NODELIST``): one
   task per node; the node index is ``SLURM_PROCID``, the number of nodes ``SLURM_NTASKS``, node
@@ -19,7 +19,11 @@ address, and where they came from) or a ``PlacementError`` comes out. Not wired 
 from __future__ import annotations
 
 import itertools
+import os
 import re
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -158,3 +162,42 @@ def from_env(env: Mapping[str, str], hosts: list[str] | None = None) -> Placemen
             raise PlacementError(f"{knob}={mine} disagrees with {found.source}, which makes it "
                                  f"{theirs}: unset {knob} (the launcher sets it) or fix it")
     return Placement(node, groups, env.get("IP_ADDR") or found.ip_addr, found.source)
+
+
+# ---------------------------------------------------------------------- ``lsgd place``
+SCONTROL_TIMEOUT = 10.0  # seconds for ``scontrol show hostnames``
+
+
+def scontrol_hosts(nodelist: str) -> list[str] | None:
+    """``scontrol show hostnames``'s expansion, where scontrol exists and answers (None: it
+    does not, e.g. inside a container: the list is parsed here instead)."""
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return None
+    try:
+        done = subprocess.run([exe, "show", "hostnames", nodelist], capture_output=True,
+                              text=True, timeout=SCONTROL_TIMEOUT, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    hosts = done.stdout.split()
+    return hosts if done.returncode == 0 and hosts else None
+
+
+def main(env: Mapping[str, str] | None = None) -> int:
+    """``lsgd place``: ``<node index> <number of nodes> <node 0's address> <launcher>`` on one
+    line for ``train.sh``; nothing when no launcher is found; exit 2 with one line on a misfit."""
+    env = os.environ if env is None else env
+    try:
+        hosts = scontrol_hosts(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") \
+            and env.get("SLURM_PROCID") else None
+        placed = from_env(env, hosts)
+    except PlacementError as exc:
+        print(f"lsgd: error: {exc}", file=sys.stderr)
+        return 2
+    if placed is not None:
+        if not re.fullmatch(r"[A-Za-z0-9._:\-\[\]]+", placed.ip_addr):
+            print(f"lsgd: error: node 0's address {placed.ip_addr!r} (from {placed.source}) is "
+                  "not a host name or an IP address", file=sys.stderr)
+            return 2
+        print(f"{placed.node_index} {placed.num_groups} {placed.ip_addr} {placed.source}")
+    return 0

@@ -85,13 +85,15 @@ class Node:
     """One `bash train.sh <i>` process with its environment."""
 
     def __init__(self, index: int, env: dict[str, str], run_dir: Path,
-                 ignore_sigint: bool = False, netns: str | None = None) -> None:
+                 ignore_sigint: bool = False, netns: str | None = None,
+                 placed: bool = False) -> None:
         self.index, self.run_dir, self.env = index, run_dir, env
         self.log = run_dir / f"node{index}.log"
         run_dir.mkdir(parents=True, exist_ok=True)
         self._logf = self.log.open("w")
         prefix = ["ip", "netns", "exec", netns] if netns else []  # a host of its own
-        self.proc = subprocess.Popen(prefix + ["bash", str(REPO / "train.sh"), str(index)], env=env,
+        index_arg = [] if placed else [str(index)]  # placed: a launcher's environment says
+        self.proc = subprocess.Popen(prefix + ["bash", str(REPO / "train.sh"), *index_arg], env=env,
                                      stdout=self._logf, stderr=subprocess.STDOUT, cwd=run_dir,
                                      start_new_session=True,
                                      preexec_fn=_ignore_sigint if ignore_sigint else None)
@@ -135,14 +137,15 @@ def cluster(tmp_path, request):
     job_id = "t" + uuid.uuid4().hex[:12]
 
     def start(index: int, _ignore_sigint: bool = False, _netns: str | None = None,
-              **knobs: object) -> Node:
+              _placed: bool = False, **knobs: object) -> Node:
         env = dict(os.environ)
         env.update({k: str(v) for k, v in knobs.items()})
         env.setdefault("RUN_DIR", str(tmp_path / "run"))
         env["JOB_ID"] = job_id
         env["PYTHON"] = sys.executable
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), env.get("PYTHONPATH", "")])
-        node = Node(index, env, tmp_path, ignore_sigint=_ignore_sigint, netns=_netns)
+        node = Node(index, env, tmp_path, ignore_sigint=_ignore_sigint, netns=_netns,
+                    placed=_placed)
         nodes.append(node)
         return node
 

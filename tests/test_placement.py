@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import assert_clean_exit, global_summary
 from lsgd.placement import Placement, PlacementError, expand_hostlist, from_env
 
 
@@ -73,3 +74,36 @@ def test_kubernetes_takes_the_index_and_needs_num_groups_and_ip_addr():
 def test_no_launcher_is_none_and_a_partial_slurm_environment_is_not_slurm():
     assert from_env({}) is None
     assert from_env({"SLURM_JOB_ID": "5"}) is None  # e.g. a login shell inside an allocation
+
+
+# ---------------------------------------------------------------------- train.sh, placed
+def _slurm_env(procid: int, **extra) -> dict:
+    # what srun --ntasks-per-node=1 gives two tasks; both "hosts" are this machine
+    return {"SLURM_JOB_ID": "4242", "SLURM_PROCID": str(procid), "SLURM_NTASKS": "2",
+            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost"} | extra
+
+
+@pytest.mark.timeout(90)
+def test_train_sh_under_a_slurm_environment_places_both_nodes_without_an_index(cluster):
+    knobs = dict(ENTRY="toyjob:main", ITERATIONS=3000)
+    n0 = cluster(0, _placed=True, PORT=0, **_slurm_env(0), **knobs)
+    n1 = cluster(1, _placed=True, PORT=cluster.port_of_node0(), **_slurm_env(1), **knobs)
+    for node in (n1, n0):
+        assert node.wait(60) == 0, node.output
+    assert "lsgd: node 0 of 2, placed by slurm; node 0 at localhost" in n0.output
+    assert "lsgd: node 1 of 2, placed by slurm; node 0 at localhost" in n1.output
+    assert global_summary(cluster.run_dir)["counter"] == 3000
+    assert sorted(n0.summary()["workers"]) + sorted(n1.summary()["workers"]) == \
+        ["0", "1", "2", "3"]  # two nodes, not two node 0s
+    assert_clean_exit(cluster.run_dir, [n0, n1])
+
+
+@pytest.mark.timeout(30)
+def test_train_sh_without_an_index_or_a_launcher_and_a_misfit_are_one_line_exit_2(cluster):
+    bare = cluster(0, _placed=True)
+    assert bare.wait(20) == 2
+    assert bare.output.startswith("usage: bash train.sh <node-index>"), bare.output
+    misfit = cluster(0, _placed=True, **_slurm_env(0, SLURM_NTASKS="4"))
+    assert misfit.wait(20) == 2
+    lines = misfit.output.strip().splitlines()
+    assert len(lines) == 1 and "--ntasks-per-node=1" in lines[0], misfit.output
