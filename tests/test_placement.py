@@ -107,3 +107,14 @@ def test_train_sh_without_an_index_or_a_launcher_and_a_misfit_are_one_line_exit_
     assert misfit.wait(20) == 2
     lines = misfit.output.strip().splitlines()
     assert len(lines) == 1 and "--ntasks-per-node=1" in lines[0], misfit.output
+
+
+@pytest.mark.timeout(60)
+def test_a_node_0_name_that_does_not_resolve_yet_is_said_once_and_bounded(cluster):
+    # a Kubernetes pod starts before node 0's Service name resolves; .invalid never does
+    node = cluster(1, NUM_GROUPS=2, IP_ADDR="lsgd-0.lsgd.invalid", CONNECT_TIMEOUT=2,
+                   ALLOW_INSECURE=1, ENTRY="toyjob:main")
+    assert node.wait(30) == 1
+    out = node.output
+    assert out.count("node 0's address lsgd-0.lsgd.invalid (IP_ADDR) does not resolve yet") == 1
+    assert "did not resolve within 2 s (CONNECT_TIMEOUT)" in out, out

@@ -23,6 +23,7 @@ import math
 import multiprocessing as mp
 import os
 import queue
+import socket
 import time
 from collections import deque
 from pathlib import Path
@@ -166,12 +167,36 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
     def _wait_for_global(self) -> None:
         self.view.wait(f"waiting for the global server at {self.address}", "CONNECT_TIMEOUT",
                        self.cfg.connect_timeout)
+        end = time.monotonic() + self.cfg.connect_timeout
+        self._wait_for_name(end)
         try:
-            grpc.channel_ready_future(self.client._channel).result(timeout=self.cfg.connect_timeout)
+            grpc.channel_ready_future(self.client._channel).result(
+                timeout=max(0.1, end - time.monotonic()))
         except grpc.FutureTimeoutError:
             raise GlobalUnreachable(
                 f"global server at {self.address} unreachable for {self.cfg.connect_timeout:g} s "
                 "(is node 0 running? check IP_ADDR and PORT)") from None
+
+    def _wait_for_name(self, end: float) -> None:
+        """Node 0's name may not resolve yet (a Kubernetes pod's Service name before the pod
+        is up): say so once, and retry until ``end``."""
+        host, said = self.cfg.ip_addr, False
+        while True:
+            try:
+                socket.getaddrinfo(host, self.cfg.port, type=socket.SOCK_STREAM)
+                return
+            except socket.gaierror as exc:
+                if time.monotonic() >= end:
+                    raise GlobalUnreachable(
+                        f"node 0's address {host} (IP_ADDR) did not resolve within "
+                        f"{self.cfg.connect_timeout:g} s (CONNECT_TIMEOUT): {exc.strerror}"
+                    ) from None
+                if not said:
+                    said = True
+                    log.warning("node 0's address %s (IP_ADDR) does not resolve yet (%s); "
+                                "retrying for up to %g s (CONNECT_TIMEOUT)", host, exc.strerror,
+                                self.cfg.connect_timeout)
+                time.sleep(min(0.5, max(0.0, end - time.monotonic())))
 
     def _start_workers(self) -> None:
         for i in range(self.cfg.workers):
