@@ -39,7 +39,7 @@ import threading
 import typing
 from pathlib import Path
 
-from . import exitcodes, placement
+from . import exitcodes, placement, probe
 from . import plot as plot_command
 from .config import ConfigError, JobConfig, fields
 from .files import private_dir, write_atomic
@@ -96,6 +96,8 @@ def _parser() -> argparse.ArgumentParser:
     plot_command.add_parser(sub)
     sub.add_parser("place", help="this node's place from Slurm's or a Kubernetes Indexed Job's "
                    "environment (train.sh calls it when no node index is given)")
+    sub.add_parser("probe", help="exit 0 when the job's global server answers SERVING through "
+                   "gRPC health (a Kubernetes readiness probe; knobs from the environment)")
     return parser
 
 
@@ -365,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         return plot_command.main(args)
     if args.command == "place":
         return placement.main()
+    if args.command == "probe":
+        return probe.main()
     level = getattr(logging, args.log_level)
     if (args.progress_every or 0) > 0 and level <= logging.INFO and _is_tty(sys.stderr):
         os.environ[LIVE_LINE_ENV] = "1"  # every process's log records clear the live line

@@ -55,6 +55,7 @@ def test_every_pod_maps_to_its_node_and_node_0_s_stable_name():
     assert svc["spec"]["selector"] == {"job-name": job["metadata"]["name"]}
     assert int(env["PORT"]) in {p["port"] for p in svc["spec"]["ports"]}
     assert node["command"] == ["bash", "train.sh"]  # no index: the pod's index gives it
+    assert node["readinessProbe"]["exec"]["command"] == ["python", "-m", "lsgd", "probe"]
     for index in range(spec["completions"]):  # what train.sh -> lsgd place makes of each pod
         placed = from_env(env | {"JOB_COMPLETION_INDEX": str(index)})
         assert placed == Placement(index, spec["completions"], "lsgd-0.lsgd", "kubernetes")

@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from lsgd import probe
 from lsgd.config import JobConfig
 from lsgd.global_server.server import build_servicer, create_server, serve
 from lsgd.leader import Candidate
@@ -486,3 +487,26 @@ def test_lsgd_status_reads_the_real_page_with_the_secret(secret_job, tmp_path, c
     assert url == f"{secret_job.url}/?token={secret_job.token}"
     code, _, _ = secret_job.get(url[len(secret_job.url):], token=None)  # the URL works as given
     assert code == 200
+
+
+def test_lsgd_probe_is_ready_while_the_server_serves_and_not_after(secret_job, tmp_path):
+    # a Kubernetes readiness probe: node 0 asks its own server, another node asks node 0's
+    job = secret_job
+    a = job.node(0)
+    port = job.addr.rsplit(":", 1)[1]
+    for env in ({"NODE": "0", "PORT": port},
+                {"JOB_COMPLETION_INDEX": "1", "IP_ADDR": "127.0.0.1", "PORT": port}):
+        ready, said = probe.check(env)
+        assert ready, said
+        assert said.endswith(f"the global server at 127.0.0.1:{port} is SERVING")
+    a.leave(consumed=0, late=0, stop_job="interrupted")
+    job.servicer.tick()
+    ready, said = probe.check({"NODE": "0", "PORT": port})
+    assert not ready and said.endswith("is NOT_SERVING"), said
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed = free.getsockname()[1]
+    free.close()
+    ready, said = probe.check({"NODE": "0", "PORT": str(closed)})
+    assert not ready and f"127.0.0.1:{closed} did not answer" in said
+    assert probe.main({"NODE": "x"}) == 1  # one line, not a traceback
