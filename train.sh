@@ -15,7 +15,7 @@
 set -euo pipefail
 PYTHON="${PYTHON:-python3}"
 
-# --- a cluster launcher places the node when no node index is given (docs/architecture.md):
+# --- a cluster launcher places the node when no node index is given (docs/cluster.md):
 # Slurm (srun, one task per node: index SLURM_PROCID, NUM_GROUPS SLURM_NTASKS, IP_ADDR the
 # first host of SLURM_JOB_NODELIST) or a Kubernetes Indexed Job (index JOB_COMPLETION_INDEX)
 if [ $# -eq 0 ]; then

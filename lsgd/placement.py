@@ -6,8 +6,12 @@ address, and where they came from) or a ``PlacementError`` comes out. ``lsgd pla
 
 - **Slurm** (``SLURM_JOB_ID``, ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_JOB_NODELIST``): one
   task per node; the node index is ``SLURM_PROCID``, the number of nodes ``SLURM_NTASKS``, node
-  0's address the first host of the node list (``expand_hostlist``: Slurm's compressed syntax,
-  ``gpu-[01-03,07],cpu5``). Tasks per node other than one are refused, naming the fix.
+  0's address the first host of the step's node list (``SLURM_STEP_NODELIST``, which srun sets;
+  the job's where it is absent), expanded by ``scontrol show hostnames`` or ``expand_hostlist``
+  (Slurm's compressed syntax, ``gpu-[01-03,07],cpu5``), and mapped to its ``NodeAddr`` by
+  ``scontrol show node`` where scontrol answers (a node name need not be a host name). Tasks per
+  node other than one are refused, naming the fix, and so is a multi-node job's batch script
+  (no ``SLURM_STEP_ID``: not a task, its other nodes would never start).
 - **Kubernetes** Indexed Job (``JOB_COMPLETION_INDEX``): the node index; the number of nodes
   and node 0's address (the headless Service's DNS name) come from the manifest's
   ``NUM_GROUPS`` and ``IP_ADDR``, which must be set.
@@ -114,13 +118,24 @@ def _int(env: Mapping[str, str], name: str, low: int = 0) -> int:
     return value
 
 
+def slurm_nodelist(env: Mapping[str, str]) -> str:
+    """The node list the tasks run on: the step's (srun's), else the job's."""
+    return env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+
+
 def _slurm(env: Mapping[str, str], hosts: list[str] | None) -> Placement:
     ntasks = _int(env, "SLURM_NTASKS", 1)
     procid = _int(env, "SLURM_PROCID")
     if procid >= ntasks:
         raise PlacementError(f"SLURM_PROCID={procid} is not below SLURM_NTASKS={ntasks}")
-    hosts = hosts if hosts is not None else expand_hostlist(env["SLURM_JOB_NODELIST"])
-    nodes = _int(env, "SLURM_JOB_NUM_NODES", 1) if env.get("SLURM_JOB_NUM_NODES") else len(hosts)
+    hosts = hosts if hosts is not None else expand_hostlist(slurm_nodelist(env))
+    num_nodes = "SLURM_STEP_NUM_NODES" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NUM_NODES"
+    nodes = _int(env, num_nodes, 1) if env.get(num_nodes) else len(hosts)
+    if nodes > 1 and not (env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID")):
+        raise PlacementError(
+            f"SLURM_JOB_ID={env['SLURM_JOB_ID']} runs on {nodes} nodes but this shell is not one "
+            "of its tasks (no SLURM_STEP_ID: the batch script or salloc's shell), so the other "
+            "nodes would never start: use `srun --ntasks-per-node=1 bash train.sh`")
     per_node = env.get("SLURM_NTASKS_PER_NODE", "")
     if ntasks != nodes or (per_node and per_node != "1"):
         raise PlacementError(
@@ -165,22 +180,34 @@ def from_env(env: Mapping[str, str], hosts: list[str] | None = None) -> Placemen
 
 
 # ---------------------------------------------------------------------- ``lsgd place``
-SCONTROL_TIMEOUT = 10.0  # seconds for ``scontrol show hostnames``
+SCONTROL_TIMEOUT = 10.0  # seconds for each scontrol call (hostnames, a node's NodeAddr)
 
 
 def scontrol_hosts(nodelist: str) -> list[str] | None:
     """``scontrol show hostnames``'s expansion, where scontrol exists and answers (None: it
     does not, e.g. inside a container: the list is parsed here instead)."""
+    hosts = (_scontrol("show", "hostnames", nodelist) or "").split()
+    return hosts or None
+
+
+def scontrol_node_addr(node: str) -> str | None:
+    """The ``NodeAddr`` slurm.conf gives ``node`` (Slurm's own way to reach it: a node's name
+    need not resolve), where scontrol exists and answers; None otherwise."""
+    m = re.search(r"(?:^|\s)NodeAddr=(\S+)", _scontrol("show", "node", "-o", node) or "")
+    return m.group(1) if m else None
+
+
+def _scontrol(*args: str) -> str | None:
+    """scontrol's output (None: no scontrol, a failure or no answer within the timeout)."""
     exe = shutil.which("scontrol")
     if exe is None:
         return None
     try:
-        done = subprocess.run([exe, "show", "hostnames", nodelist], capture_output=True,
-                              text=True, timeout=SCONTROL_TIMEOUT, check=False)
+        done = subprocess.run([exe, *args], capture_output=True, text=True,
+                              timeout=SCONTROL_TIMEOUT, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
-    hosts = done.stdout.split()
-    return hosts if done.returncode == 0 and hosts else None
+    return done.stdout if done.returncode == 0 else None
 
 
 def main(env: Mapping[str, str] | None = None) -> int:
@@ -188,8 +215,10 @@ def main(env: Mapping[str, str] | None = None) -> int:
     line for ``train.sh``; nothing when no launcher is found; exit 2 with one line on a misfit."""
     env = os.environ if env is None else env
     try:
-        hosts = scontrol_hosts(env["SLURM_JOB_NODELIST"]) if env.get("SLURM_JOB_NODELIST") \
+        hosts = scontrol_hosts(slurm_nodelist(env)) if env.get("SLURM_JOB_NODELIST") \
             and env.get("SLURM_PROCID") else None
+        if hosts and not env.get("IP_ADDR"):  # node 0 at its NodeAddr, as Slurm reaches it
+            hosts[0] = scontrol_node_addr(hosts[0]) or hosts[0]
         placed = from_env(env, hosts)
     except PlacementError as exc:
         print(f"lsgd: error: {exc}", file=sys.stderr)

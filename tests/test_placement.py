@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import assert_clean_exit, global_summary
-from lsgd.placement import Placement, PlacementError, expand_hostlist, from_env
+from lsgd.placement import Placement, PlacementError, expand_hostlist, from_env, main
 
 
 @pytest.mark.parametrize("text, hosts", [
@@ -33,7 +33,7 @@ def test_a_bad_host_list_is_one_clear_error(text, words):
     assert words in str(e.value)
 
 
-SLURM = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "1", "SLURM_NTASKS": "3",
+SLURM = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "1", "SLURM_NTASKS": "3", "SLURM_STEP_ID": "0",
          "SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "gpu-[01-03]"}
 
 
@@ -62,6 +62,39 @@ def test_a_slurm_misfit_names_the_variable_and_the_fix(extra, words):
     assert "--ntasks-per-node=1" in str(e.value) or "one task" not in str(e.value)
 
 
+def test_slurm_places_on_the_steps_nodes_and_refuses_a_batch_script_of_several_nodes():
+    # as real srun gives it (slurmd 22.05): a 2-task step inside a 3-node allocation
+    step = SLURM | {"SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "gpu-[02-03]",
+                    "SLURM_STEP_NUM_NODES": "2"}
+    assert from_env(step) == Placement(1, 2, "gpu-02", "slurm")
+    # sbatch's own script has SLURM_PROCID=0 and the job's SLURM_NTASKS but no step id
+    batch = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"} | {"SLURM_PROCID": "0"}
+    with pytest.raises(PlacementError, match="not one of its tasks .* use `srun "
+                                             "--ntasks-per-node=1 bash train.sh`"):
+        from_env(batch)
+    one = batch | {"SLURM_NTASKS": "1", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "c7"}
+    assert from_env(one) == Placement(0, 1, "c7", "slurm")  # a 1-node batch script is the job
+    assert from_env(batch | {"SLURM_STEPID": "0"}).node_index == 0  # older Slurm's name
+
+
+def test_lsgd_place_takes_node_0s_nodeaddr_from_scontrol(tmp_path, monkeypatch, capsys):
+    # the local cluster's case (deploy/slurm): node names n1, n2 that are not host names
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\ncase "$2" in\n hostnames) echo n1; echo n2 ;;\n'
+                    ' node) echo "NodeName=$4 Arch=x86_64 NodeAddr=10.1.0.$(echo $4 | tr -d n)'
+                    ' NodeHostName=vm" ;;\nesac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    env = SLURM | {"SLURM_NTASKS": "2", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "n[1-2]"}
+    assert main(env) == 0
+    assert capsys.readouterr().out == "1 2 10.1.0.1 slurm\n"
+    assert main(env | {"IP_ADDR": "n1-ib"}) == 0  # the user's address wins, scontrol unasked
+    assert capsys.readouterr().out == "1 2 n1-ib slurm\n"
+    fake.write_text("#!/bin/sh\nexit 1\n")  # no controller: the parsed name, as before
+    assert main(env) == 0
+    assert capsys.readouterr().out == "1 2 n1 slurm\n"
+
+
 def test_kubernetes_takes_the_index_and_needs_num_groups_and_ip_addr():
     env = {"JOB_COMPLETION_INDEX": "2", "NUM_GROUPS": "4", "IP_ADDR": "lsgd-0.lsgd"}
     assert from_env(env) == Placement(2, 4, "lsgd-0.lsgd", "kubernetes")
@@ -80,7 +113,8 @@ def test_no_launcher_is_none_and_a_partial_slurm_environment_is_not_slurm():
 def _slurm_env(procid: int, **extra) -> dict:
     # what srun --ntasks-per-node=1 gives two tasks; both "hosts" are this machine
     return {"SLURM_JOB_ID": "4242", "SLURM_PROCID": str(procid), "SLURM_NTASKS": "2",
-            "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "localhost,localhost"} | extra
+            "SLURM_STEP_ID": "0", "SLURM_JOB_NUM_NODES": "2",
+            "SLURM_JOB_NODELIST": "localhost,localhost"} | extra
 
 
 @pytest.mark.timeout(90)
