@@ -7,6 +7,7 @@ Examples::
     lsgd train --node-index 1 --num-groups 2 --ip-addr 10.0.0.1  # on node 1
     lsgd status --watch          # a running job's progress, from node 0's status page
     lsgd plot runs/lsgd          # its loss, leaders, distances and evaluations: runs/lsgd/plots.png
+    lsgd ray --nodes 2 -- WORKERS=2 ITERATIONS=6000   # one node per Ray node (lsgd/ray_launch.py)
 
 Every flag has an environment variable in ``train.sh``; ``lsgd train --help`` lists them all.
 
@@ -39,7 +40,7 @@ import threading
 import typing
 from pathlib import Path
 
-from . import exitcodes, placement, probe
+from . import exitcodes, placement, probe, ray_launch
 from . import plot as plot_command
 from .config import ConfigError, JobConfig, fields
 from .files import private_dir, write_atomic
@@ -98,6 +99,16 @@ def _parser() -> argparse.ArgumentParser:
                    "environment (train.sh calls it when no node index is given)")
     sub.add_parser("probe", help="exit 0 when the job's global server answers SERVING through "
                    "gRPC health (a Kubernetes readiness probe; knobs from the environment)")
+    ray = sub.add_parser("ray", help="run a job on a Ray cluster, one lsgd node per Ray node "
+                         "(lsgd[ray]); exits with the worst node's code")
+    ray.add_argument("--nodes", type=int, required=True, help="lsgd nodes, one per Ray node")
+    ray.add_argument("--timeout", type=float, default=None,
+                     help="seconds for the whole job, then every node is stopped")
+    ray.add_argument("--address", default="auto", help="the Ray cluster (auto: this machine's)")
+    ray.add_argument("--cpus-per-node", type=float, default=1, help="CPUs each node reserves")
+    ray.add_argument("--gpus-per-node", type=float, default=0, help="GPUs each node reserves")
+    ray.add_argument("knobs", nargs="*", metavar="KNOB=value",
+                     help="train.sh's knobs and the job's environment, after --")
     return parser
 
 
@@ -369,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         return placement.main()
     if args.command == "probe":
         return probe.main()
+    if args.command == "ray":
+        return ray_launch.main(args)
     level = getattr(logging, args.log_level)
     if (args.progress_every or 0) > 0 and level <= logging.INFO and _is_tty(sys.stderr):
         os.environ[LIVE_LINE_ENV] = "1"  # every process's log records clear the live line

@@ -23,3 +23,13 @@ DEGRADED = 3
 STOPPED = 4
 INTERRUPTED = 130
 TERMINATED = 143
+
+# From least to most serious, for a job's worst node: a cause ranks above its effects (a node
+# that FAILED or was misconfigured above the STOPPED nodes it took down with it).
+SEVERITY = (OK, DEGRADED, STOPPED, TERMINATED, INTERRUPTED, FAILED, CONFIG)
+
+
+def worst(codes: list[int]) -> int:
+    """The most serious of the nodes' exit codes (an unknown code counts as FAILED; none: OK)."""
+    rank = {code: i for i, code in enumerate(SEVERITY)}
+    return max(codes, key=lambda c: rank.get(c, rank[FAILED]), default=OK)
