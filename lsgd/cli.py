@@ -97,8 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     plot_command.add_parser(sub)
     sub.add_parser("place", help="this node's place from Slurm's or a Kubernetes Indexed Job's "
                    "environment (train.sh calls it when no node index is given)")
-    sub.add_parser("probe", help="exit 0 when the job's global server answers SERVING through "
-                   "gRPC health (a Kubernetes readiness probe; knobs from the environment)")
+    probe_cmd = sub.add_parser("probe", help="exit 0 when the job's global server answers "
+                               "SERVING through gRPC health (a Kubernetes readiness probe; knobs "
+                               "from the environment)")
+    probe_cmd.add_argument("--live", action="store_true",
+                           help="liveness instead: fail only when the global server dropped "
+                           "this node (its loop or process is stuck) or, on node 0, its own "
+                           "server does not answer")
     ray = sub.add_parser("ray", help="run a job on a Ray cluster, one lsgd node per Ray node "
                          "(lsgd[ray]); exits with the worst node's code")
     ray.add_argument("--nodes", type=int, required=True, help="lsgd nodes, one per Ray node")
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "place":
         return placement.main()
     if args.command == "probe":
-        return probe.main()
+        return probe.main(live=args.live)
     if args.command == "ray":
         return ray_launch.main(args)
     level = getattr(logging, args.log_level)

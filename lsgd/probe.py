@@ -1,9 +1,19 @@
-"""``lsgd probe``: is this node's job ready, through gRPC health (a Kubernetes readiness probe).
+"""``lsgd probe``: Kubernetes readiness and liveness probes, through gRPC health.
 
-Node 0 asks its own global server (127.0.0.1:PORT); any other node asks node 0's (IP_ADDR:PORT),
-which it cannot train without. Ready: the server answers SERVING for ``lsgd.v1.GlobalServer``.
-Exit 0 when ready, 1 (with one line saying why) when not. The node's index comes from
-``NODE``, else ``JOB_COMPLETION_INDEX`` (a Kubernetes Indexed Job), else ``SLURM_PROCID``.
+Node 0 asks its own global server (127.0.0.1:PORT); any other node asks node 0's (IP_ADDR:PORT).
+The node's index comes from ``NODE``, else ``JOB_COMPLETION_INDEX`` (a Kubernetes Indexed Job),
+else ``SLURM_PROCID``. Exit 0 when the probe passes, 1 (with one line saying why) when not.
+
+- ``lsgd probe`` (readiness): the server answers SERVING for ``lsgd.v1.GlobalServer``; a node
+  cannot train without it.
+- ``lsgd probe --live`` (liveness): fails only when restarting this node's container can help.
+  The server answers NOT_SERVING for ``lsgd.v1.Node/<index>``: it dropped this node, whose
+  heartbeats stopped although the probe reaches the server, so the node's process or loop is
+  stuck (a node beats only while its loop runs, ``Heartbeat``). On node 0 also: its own global
+  server does not answer at all. It passes while the node has not joined yet (that wait is
+  bounded by CONNECT_TIMEOUT, after which the node exits by itself), and, on another node, while
+  node 0 does not answer (restarting this node would not bring node 0 back; the node exits by
+  itself after RECONNECT_TIMEOUT).
 
 TLS as the node uses it (``TLS_CA``; ``TLS_CERT`` and ``TLS_KEY`` under ``MTLS=1``), the name
 checked against node 0's certificate being ``IP_ADDR`` also when node 0 asks itself on
@@ -19,7 +29,7 @@ from typing import Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from .global_server.probes import SERVICE
+from .global_server.probes import NODE_SERVICE, SERVICE
 from .security import Security, SecurityError, _read_pem
 
 TIMEOUT = 3.0  # seconds for the health call (a probe's own timeout should be a little more)
@@ -35,8 +45,8 @@ def _index(env: Mapping[str, str]) -> int:
     return 0
 
 
-def check(env: Mapping[str, str]) -> tuple[bool, str]:
-    """(ready, what was found)."""
+def check(env: Mapping[str, str], live: bool = False) -> tuple[bool, str]:
+    """(passes, what was found): readiness, or liveness with ``live``."""
     node = _index(env)
     ip_addr, port = env.get("IP_ADDR") or "127.0.0.1", env.get("PORT") or "50051"
     target = f"127.0.0.1:{port}" if node == 0 else f"{ip_addr}:{port}"
@@ -50,19 +60,52 @@ def check(env: Mapping[str, str]) -> tuple[bool, str]:
     channel = tls.channel(target, options)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
-        answer = stub.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=TIMEOUT)
-    except grpc.RpcError as exc:
-        return False, f"node {node}: the global server at {target} did not answer: {exc.details()}"
+        return (_live if live else _ready)(stub, node, target)
     finally:
         channel.close()
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
-    return answer.status == health_pb2.HealthCheckResponse.SERVING, \
-        f"node {node}: the global server at {target} is {status}"
 
 
-def main(env: Mapping[str, str] | None = None) -> int:
+def _ask(stub: health_pb2_grpc.HealthStub, service: str) -> str:
+    """The status name the server gives ``service``, or ``NOT_FOUND``; raises ``grpc.RpcError``
+    when it does not answer."""
     try:
-        ready, said = check(os.environ if env is None else env)
+        answer = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:
+            return "NOT_FOUND"
+        raise
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
+
+
+def _ready(stub: health_pb2_grpc.HealthStub, node: int, target: str) -> tuple[bool, str]:
+    try:
+        status = _ask(stub, SERVICE)
+    except grpc.RpcError as exc:
+        return False, f"node {node}: the global server at {target} did not answer: {exc.details()}"
+    return status == "SERVING", f"node {node}: the global server at {target} is {status}"
+
+
+def _live(stub: health_pb2_grpc.HealthStub, node: int, target: str) -> tuple[bool, str]:
+    try:
+        status = _ask(stub, f"{NODE_SERVICE}{node}")
+    except grpc.RpcError as exc:
+        if node == 0:
+            return False, (f"node 0: its own global server at {target} did not answer: "
+                           f"{exc.details()}")
+        return True, (f"node {node}: alive as far as can be told: the global server at {target} "
+                      f"did not answer ({exc.details()}); the node gives up by itself after "
+                      "RECONNECT_TIMEOUT")
+    if status == "NOT_SERVING":
+        return False, (f"node {node}: the global server at {target} dropped this node: its "
+                       "heartbeats stopped, so its process or its node loop is stuck")
+    if status == "NOT_FOUND":
+        return True, f"node {node}: not in the job yet (joining is bounded by CONNECT_TIMEOUT)"
+    return True, f"node {node}: in the job, as the global server at {target} says"
+
+
+def main(env: Mapping[str, str] | None = None, live: bool = False) -> int:
+    try:
+        ready, said = check(os.environ if env is None else env, live=live)
     except SecurityError as exc:
         print(f"lsgd probe: {exc}", file=sys.stderr)
         return 1

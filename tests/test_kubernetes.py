@@ -56,6 +56,11 @@ def test_every_pod_maps_to_its_node_and_node_0_s_stable_name():
     assert int(env["PORT"]) in {p["port"] for p in svc["spec"]["ports"]}
     assert node["command"] == ["bash", "train.sh"]  # no index: the pod's index gives it
     assert node["readinessProbe"]["exec"]["command"] == ["python", "-m", "lsgd", "probe"]
+    for kind in ("startupProbe", "livenessProbe"):
+        assert node[kind]["exec"]["command"] == ["python", "-m", "lsgd", "probe", "--live"]
+    # the startup probe must outlast the node's own wait to join before the liveness one counts
+    startup = node["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > int(env["CONNECT_TIMEOUT"])
     for index in range(spec["completions"]):  # what train.sh -> lsgd place makes of each pod
         placed = from_env(env | {"JOB_COMPLETION_INDEX": str(index)})
         assert placed == Placement(index, spec["completions"], "lsgd-0.lsgd", "kubernetes")
@@ -73,3 +78,20 @@ def test_shared_memory_is_memory_backed_and_the_secret_is_a_mounted_file():
     assert volumes[mounts[secret_dir]]["secret"]["secretName"] == \
         manifests()["Secret"]["metadata"]["name"]
     assert Path(env["SECRET_FILE"]).name in manifests()["Secret"]["stringData"]
+
+
+def test_only_a_pod_killed_from_outside_is_replaced():
+    # lsgd's own exit codes fail the Job (running the node again cannot help); a liveness kill
+    # (137/143) is retried up to backoffLimit; an eviction does not count
+    from lsgd import exitcodes
+    spec = manifests()["Job"]["spec"]
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"  # podFailurePolicy needs it
+    rules = spec["podFailurePolicy"]["rules"]
+    fail = [r for r in rules if r["action"] == "FailJob"]
+    assert len(fail) == 1 and fail[0]["onExitCodes"]["operator"] == "In"
+    assert set(fail[0]["onExitCodes"]["values"]) == {exitcodes.FAILED, exitcodes.CONFIG,
+                                                      exitcodes.DEGRADED, exitcodes.STOPPED}
+    assert fail[0]["onExitCodes"]["containerName"] == spec["template"]["spec"]["containers"][0]["name"]
+    assert spec["backoffLimit"] >= 1
+    assert any(r["action"] == "Ignore" and r["onPodConditions"][0]["type"] == "DisruptionTarget"
+               for r in rules)

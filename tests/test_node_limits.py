@@ -146,3 +146,46 @@ def test_a_long_round_barrier_keeps_the_nodes_beat(tmp_path):
     finally:
         server._shutdown()
     assert seen["beat"] > seen["entered"] + 0.5
+
+
+class _BeatCounter:
+    """The part of a GlobalClient a Heartbeat uses: counts beats, answers like a server."""
+
+    address, session = "127.0.0.1:1", 1
+
+    def __init__(self) -> None:
+        self.beats = 0
+
+    def beat(self, report):
+        from lsgd.proto import lsgd_pb2 as pb
+        self.beats += 1
+        return pb.HeartbeatResponse()
+
+
+def test_the_heartbeat_stops_while_the_node_loop_is_stuck_and_goes_on_after():
+    # the process is up but its loop is stuck: the server must drop the node (and the
+    # liveness probe then fails), so the heartbeat thread no longer speaks for it
+    import time
+    from lsgd.local_server.global_client import Heartbeat
+    silent = {"s": 0.0}
+    client = _BeatCounter()
+    hb = Heartbeat(client, interval=0.02, give_up=10.0, loop_silent=lambda: silent["s"],
+                   stale_after=5.0)
+    hb.start()
+    try:
+        deadline = time.monotonic() + 5
+        while client.beats < 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.beats >= 5 and not hb.loop_stuck
+        silent["s"] = 6.0  # the loop's beat is older than stale_after
+        time.sleep(0.1)
+        stopped_at = client.beats
+        time.sleep(0.3)
+        assert hb.loop_stuck and client.beats == stopped_at
+        silent["s"] = 0.0
+        deadline = time.monotonic() + 5
+        while client.beats < stopped_at + 5 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not hb.loop_stuck and client.beats >= stopped_at + 5
+    finally:
+        hb.stop()

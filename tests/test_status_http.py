@@ -510,3 +510,39 @@ def test_lsgd_probe_is_ready_while_the_server_serves_and_not_after(secret_job, t
     ready, said = probe.check({"NODE": "0", "PORT": str(closed)})
     assert not ready and f"127.0.0.1:{closed} did not answer" in said
     assert probe.main({"NODE": "x"}) == 1  # one line, not a traceback
+
+
+def test_lsgd_probe_live_fails_only_for_a_dropped_node_or_a_silent_own_server(secret_job):
+    # a Kubernetes liveness probe: restart the container only where that can help
+    job = secret_job
+    port = job.addr.rsplit(":", 1)[1]
+    node1 = {"JOB_COMPLETION_INDEX": "1", "IP_ADDR": "127.0.0.1", "PORT": port}
+    alive, said = probe.check(node1, live=True)  # not joined yet: still starting
+    assert alive and "not in the job yet" in said, said
+    job.node(0), job.node(1)
+    for env in ({"NODE": "0", "PORT": port}, node1):
+        alive, said = probe.check(env, live=True)
+        assert alive and "in the job" in said, said
+    channel = grpc.insecure_channel(job.addr)
+    stub = health_pb2_grpc.HealthStub(channel)
+    for bad in ("lsgd.v1.Node/x", "lsgd.v1.Node/", "lsgd.v1.Node/-1", "lsgd.v1.Node/1234567",
+                "lsgd.v1.Node/7"):
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Check(health_pb2.HealthCheckRequest(service=bad), timeout=5)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND, bad
+    channel.close()
+    real_clock = job.servicer.clock
+    job.servicer.clock = lambda: real_clock() + 120  # both nodes silent past node_timeout (60 s)
+    job.servicer.tick()
+    for env in ({"NODE": "0", "PORT": port}, node1):
+        alive, said = probe.check(env, live=True)
+        assert not alive and "dropped this node" in said, said
+    assert probe.main(node1, live=True) == 1
+    free = socket.socket()
+    free.bind(("127.0.0.1", 0))
+    closed = str(free.getsockname()[1])
+    free.close()
+    alive, said = probe.check({"NODE": "0", "PORT": closed}, live=True)  # its own server: dead
+    assert not alive and "its own global server" in said and "did not answer" in said, said
+    alive, said = probe.check(dict(node1, PORT=closed), live=True)  # node 0's: not ours to fix
+    assert alive and "did not answer" in said, said

@@ -92,7 +92,8 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
                                        servicer.admission])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
     coord = servicer.coord
-    servicer.health = add_probes(server, serving=not (coord.finished or coord.stopped is not None))
+    servicer.health = add_probes(server, serving=not (coord.finished or coord.stopped is not None),
+                                 node_health=servicer.node_health)
     creds = security.server_credentials()
     try:
         port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)

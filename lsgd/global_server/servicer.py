@@ -94,6 +94,13 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.dumps += 1
         return self.coord.state(self.clock()) | {"dump": self.dumps}
 
+    def node_health(self, index: int) -> bool | None:
+        """Node ``index`` is in the job or has left it (True), was dropped and has not joined
+        again (False), never joined (None): the liveness probe's answer (``probes.py``)."""
+        with self.cond:
+            node = self.coord.nodes.get(index)
+            return None if node is None else (node.alive or node.left)
+
     # ------------------------------------------------------------------ shared
     def tick(self) -> None:
         """Advance time; called by the server's ticker thread and on every request."""

@@ -376,11 +376,18 @@ class Heartbeat:
     ``trouble`` becomes a message when the server says this node is no longer a member, or has
     been unreachable for ``give_up`` seconds; the node loop then trains on without the server
     and reattaches (clearing ``trouble``). The thread goes on beating with the newest session.
+
+    The thread beats for the node loop, not for the process: while ``loop_silent()`` (seconds
+    since the loop's liveness beat, ``liveness.py``) exceeds ``stale_after``, it skips its
+    beats, so the server drops a node whose loop is stuck, as it drops a dead one.
     """
 
     def __init__(self, client: GlobalClient, interval: float, give_up: float,
-                 view: NodeView | None = None) -> None:
+                 view: NodeView | None = None, loop_silent: Callable[[], float] | None = None,
+                 stale_after: float = math.inf) -> None:
         self.client, self.interval, self.give_up = client, interval, give_up
+        self.loop_silent, self.stale_after = loop_silent, stale_after
+        self.loop_stuck = False  # the beats are skipped: the node loop is stuck
         self.view = view  # reported with each beat, and told the answer
         self.evaluations_held = 0  # the server holds the node's evaluations up to this index
         self._reporting = True  # False once the server refused a report
@@ -398,6 +405,8 @@ class Heartbeat:
     def _run(self) -> None:
         last_ok = time.monotonic()
         while not self._stop.wait(self.interval):
+            if self._loop_stuck():
+                continue
             session = self.client.session
             try:
                 resp = self.client.beat(self._watched(self._report) if self._reporting else None)
@@ -417,6 +426,18 @@ class Heartbeat:
                 elif time.monotonic() - last_ok > self.give_up:
                     self.trouble = (f"global server at {self.client.address} unreachable for "
                                     f"{self.give_up:g} s ({exc.code().name})")
+
+    def _loop_stuck(self) -> bool:
+        silent = 0.0 if self.loop_silent is None else self.loop_silent()
+        stuck = silent > self.stale_after
+        if stuck != self.loop_stuck:
+            self.loop_stuck = stuck
+            if stuck:
+                log.error("the node loop has not run for %.0f s: heartbeats stop, so the global "
+                          "server drops this node", silent)
+            else:
+                log.warning("the node loop runs again: heartbeats go on")
+        return stuck
 
     def _watched(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Call a part of watching the job; one that fails stops the reports, never the beat."""

@@ -7,7 +7,10 @@ looks at its inbox. A few of its calls block longer than that on purpose and wit
 their own (a global round's barrier, a parameter download or upload, a checkpoint save), so
 ``LoopBeat.blocking(limit)`` wraps them: a thread beats for the loop while the call runs, but
 only for ``limit`` seconds. A call that overstays its bound is stuck, the beat goes stale, and
-the workers notice, as they would for a loop that stopped anywhere else.
+the workers notice, as they would for a loop that stopped anywhere else. The node's heartbeat to
+the global server (``Heartbeat``) reads the same beat and stops beating once it is stale, so a
+node whose process is up but whose loop is stuck is dropped from the job, and its Kubernetes
+liveness probe (``lsgd probe --live``) fails.
 """
 
 from __future__ import annotations
@@ -18,6 +21,13 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 PERIOD = 1.0  # seconds between beats on the loop's behalf (workers check about every second)
+MARGIN = 30.0  # seconds past the longest bounded call before a silent loop counts as stuck
+
+
+def stale_after(round_timeout: float, connect_timeout: float) -> float:
+    """Seconds of a silent loop beat after which the loop counts as stuck: its longest blocking
+    call (a round barrier, or the first connection) is bounded by these, plus a margin."""
+    return max(round_timeout, connect_timeout) + MARGIN
 
 
 class LoopBeat:

@@ -48,7 +48,7 @@ from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
 from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
 from .inbox import Inbox
-from .liveness import LoopBeat
+from .liveness import LoopBeat, stale_after
 from .metrics import MetricsWriter
 from .procs import end_group, start_process, stop_process
 from .progress import Progress
@@ -438,7 +438,10 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         self._joined(resp.session, resp.counter)
         self.view.on_counter(resp.counter)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
-                                   give_up=max(2 * self.cfg.node_timeout, 10.0), view=self.view)
+                                   give_up=max(2 * self.cfg.node_timeout, 10.0), view=self.view,
+                                   loop_silent=lambda: time.time() - self.beat.value,
+                                   stale_after=stale_after(self.cfg.round_timeout,
+                                                           self.cfg.connect_timeout))
         self.heartbeat.start()
         self.last_round_seen = resp.round_id
         resumed = self._resume() if self.cfg.resume else None

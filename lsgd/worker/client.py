@@ -37,6 +37,7 @@ from ..config import JobConfig
 from ..data import shard_indices
 from ..leader import LossWindow
 from ..local_server import messages as m
+from ..local_server.liveness import stale_after
 from ..local_server.store import NodeStore
 from ..rules import ops
 from . import scalars as worker_scalars
@@ -120,7 +121,7 @@ class Worker:
         self._full_checks = FULL_CHECKS  # see _check_trained
         # A reply wait lasts while the local server is alive and its loop keeps running; its
         # longest blocking call (a round barrier or the first connection) is bounded by these.
-        self._stale_after = max(ctx.config.round_timeout, ctx.config.connect_timeout) + 30.0
+        self._stale_after = stale_after(ctx.config.round_timeout, ctx.config.connect_timeout)
         # Tell the local server we are alive while we work through long credit shares.
         self._progress_every = min(1.0, ctx.config.round_timeout / 4)
         self._last_sent = time.monotonic()
