@@ -64,6 +64,7 @@ def _port(path, node0, timeout: float = 30.0) -> int:
     raise AssertionError("node 0 did not write its port")
 
 
+@pytest.mark.slow  # a timed comparison: bench/hetero.py is where the suite's speed claims live
 @pytest.mark.timeout(120)
 def test_a_fast_node_keeps_its_pace_without_a_barrier_and_waits_with_one(cluster, tmp_path):
     (alone,), _ = _run(cluster, tmp_path, "alone", 1, ALGORITHM="easgd-async")

@@ -135,8 +135,11 @@ def test_a_python_error_in_the_users_loop_is_not_respawned(cluster):
     assert node.summary()["exit_code"] == 3 and "worker 1 failed" in node.summary()["stop_reason"]
 
 
+# one synchronous and one asynchronous rule by default; the others with -m slow (same code path)
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algorithm", ["lsgd", "easgd", "easgd-async", "gosgd"])
+@pytest.mark.parametrize("algorithm", ["lsgd", pytest.param("easgd", marks=pytest.mark.slow),
+                                       pytest.param("easgd-async", marks=pytest.mark.slow),
+                                       "gosgd"])
 def test_a_lost_node_is_dropped_and_rejoins(cluster, algorithm):
     import time
 
@@ -175,7 +178,9 @@ def test_a_lost_node_is_dropped_and_rejoins(cluster, algorithm):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("algorithm", ["lsgd", "easgd", "easgd-async", "downpour"])
+@pytest.mark.parametrize("algorithm", ["lsgd", pytest.param("easgd", marks=pytest.mark.slow),
+                                       "easgd-async",
+                                       pytest.param("downpour", marks=pytest.mark.slow)])
 def test_a_killed_global_server_is_restarted_from_its_state_and_nodes_reattach(cluster, tmp_path,
                                                                             algorithm):
     import os
@@ -220,7 +225,7 @@ def test_a_killed_global_server_is_restarted_from_its_state_and_nodes_reattach(c
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+@pytest.mark.parametrize("algorithm", ["lsgd", pytest.param("easgd", marks=pytest.mark.slow)])
 def test_a_stopped_job_resumes_from_its_checkpoint(cluster, tmp_path, algorithm):
     import signal
     import time

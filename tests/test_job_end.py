@@ -145,6 +145,7 @@ def test_processes_that_exit_slowly_after_the_end_are_waited_for(cluster):
     assert_clean_exit(cluster.run_dir, [node])
 
 
+@pytest.mark.slow  # test_examples.py's torch job checks the same for LSGD by default
 @pytest.mark.timeout(240)
 def test_the_torch_example_ends_without_terminating_a_worker(cluster):
     pytest.importorskip("torch")
