@@ -98,3 +98,28 @@ def test_platoon_table_formats_the_ceiling_and_the_runs():
     assert "| two plain loops at once | 13,000 | **1.86x** |" in lines[2]
     assert "| easgd-async, 2 workers | 12,000 | **1.71x** (1.60-1.80; Platoon 1.82x) | 0.92x |" in lines[3]
     assert lines[3].endswith("| 40 |")
+
+
+def test_study_quick_form_runs_every_step_of_the_study(tmp_path):
+    """A part of ``python -m bench.study --quick`` (one workload, three rules): real jobs through
+    train.sh, snapshots evaluated, the table, the plots and the document's block written."""
+    import json
+
+    from bench.study.__main__ import main as study
+
+    results, doc = tmp_path / "quick.json", tmp_path / "quick.md"
+    code = study(["--quick", "--workloads", "mlp", "--rules", "sgd", "lsgd", "easgd-async",
+                  "--results", str(results), "--doc", str(doc)])
+    assert code == 0
+    runs = json.loads(results.read_text())["runs"]
+    assert len(runs) == 3 and all(r["ok"] for r in runs.values()), \
+        [r["error"] for r in runs.values()]
+    for r in runs.values():
+        workers = r["config"]["workers"]
+        assert len(r["test"]["workers"]) == workers and len(r["marks"]) >= 5
+        assert r["test"]["average"][-1] > 0.3  # ten classes: chance is 0.1
+        assert sum(r["steps"]) == workers * r["config"]["steps"]  # the job's counter, exactly
+    text = doc.read_text()
+    for rule in ("sgd", "lsgd", "easgd-async"):
+        assert f"| {rule} |" in text
+    assert (tmp_path / "img" / "quick-mlp-time.png").stat().st_size > 0

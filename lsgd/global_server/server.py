@@ -205,10 +205,12 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
             page.stop()
         _save(servicer, state_file, params_file, saved_state)
         journal.close()
+        _, bytes_in, bytes_out = servicer.stats.copy()
         with servicer.cond:
             # an orderly end: the job finished, or was stopped and its nodes told
             code = 0 if coord.finished or coord.stopped is not None else 1
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
+                                          "parameter_bytes": {"in": bytes_in, "out": bytes_out},
                                           "calls": dict(servicer.calls.counts),
                                           "refused": dict(servicer.admission.refused),
                                           "cancelled": dict(servicer.admission.cancelled),

@@ -1,0 +1,188 @@
+"""One configuration of the study, end to end: run the job through ``train.sh`` (one process per
+node, as on a cluster), then evaluate its snapshots the same way for every rule.
+
+A configuration is a workload, a rule with its knobs, a worker count and a seed. Every worker
+takes the same number of its own steps (``ITERATIONS`` = workers x steps: the job's counter),
+paced so that all workers advance together (``job.py``). What comes back (``record``):
+
+- per mark (every ``mark`` of a worker's own steps): the test and validation accuracy of each
+  worker's model, of the workers' average, and of the *leader by loss* (the worker with the
+  lowest mean training loss since the previous mark, the criterion LSGD elects by);
+- the product's own final evaluation (``summary.json``: leader, average, center);
+- what the job moved through the global server (parameter bytes, rounds, deltas, mail), its
+  wall-clock seconds and how many paced steps were late.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..common import lsgd_env, run_node
+from . import workloads
+
+LAYOUT = {1: (1, 1), 4: (2, 2), 8: (4, 2), 16: (4, 4)}  # workers: (nodes, workers per node)
+BATCH, LR, MOMENTUM = 32, 0.05, 0.9
+
+
+@dataclass(frozen=True)
+class Config:
+    workload: str
+    rule: str  # the study's name: sgd, bsp, localsgd, easgd, ... (grid.RULES)
+    algorithm: str  # lsgd's ALGORITHM
+    workers: int
+    seed: int
+    knobs: tuple[tuple[str, str], ...] = ()  # (KNOB, value), e.g. (("C2", "0.3"),)
+    steps: int = 1500  # per worker
+    mark: int = 75
+
+    @property
+    def key(self) -> str:
+        knobs = ",".join(f"{k}={v}" for k, v in self.knobs) or "-"
+        return (f"{self.workload}/{self.rule}/w{self.workers}/s{self.seed}/{knobs}/"
+                f"{self.steps}x{self.mark}")
+
+
+@dataclass
+class Record:
+    config: dict
+    ok: bool
+    error: str = ""
+    exit_codes: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+    pace_s: float = 0.0
+    late_fraction: float = 0.0
+    steps: list[int] = field(default_factory=list)  # each worker's own steps
+    marks: list[int] = field(default_factory=list)  # per-worker step of each mark
+    test: dict = field(default_factory=dict)  # {"average": [...], "leader": [...], "workers": [[...]]}
+    val: dict = field(default_factory=dict)
+    final: dict = field(default_factory=dict)  # the product's final evaluation (test accuracy)
+    moved: dict = field(default_factory=dict)  # parameter bytes, rounds, deltas, mail
+    param_count: int = 0
+
+
+def _wait_port(run_dir: Path, proc: subprocess.Popen, timeout: float) -> str:
+    port = run_dir / "global.port"
+    end = time.monotonic() + timeout
+    while not (port.exists() and port.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > end:
+            log = (run_dir / "node0.log").read_text()[-1500:] if (run_dir / "node0.log").exists() else ""
+            raise RuntimeError(f"node 0 did not start: {log}")
+        time.sleep(0.05)
+    return port.read_text().strip()
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, 15)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, 9)
+            p.wait(10)
+
+
+def run_job(cfg: Config, data: Path, run_dir: Path, pace: float, timeout: float) -> tuple[list[int], float]:
+    """Run the job; its exit codes and wall-clock seconds."""
+    nodes, per_node = LAYOUT[cfg.workers]
+    env = lsgd_env(ENTRY="bench.study.job:main", NUM_GROUPS=nodes, WORKERS=per_node,
+                   ALGORITHM=cfg.algorithm, ITERATIONS=cfg.workers * cfg.steps, MINUTES="",
+                   SEED=cfg.seed, LR=LR, MOMENTUM=MOMENTUM, BATCH_SIZE=BATCH, PORT=0,
+                   RUN_DIR=run_dir, JOB_ID=f"study{abs(hash(cfg.key)) % 10**8}", EVAL_EVERY=0,
+                   STATUS_PORT=0, STUDY_WORKLOAD=cfg.workload, STUDY_DATA=data,
+                   STUDY_MARK=cfg.mark, STUDY_PACE=pace, ROUND_TIMEOUT=120, NODE_TIMEOUT=30,
+                   **dict(cfg.knobs))
+    t0 = time.monotonic()
+    procs = [run_node(0, env)]
+    try:
+        if nodes > 1:
+            port = _wait_port(run_dir, procs[0], 120)
+            procs += [run_node(i, dict(env, PORT=port)) for i in range(1, nodes)]
+        end = t0 + timeout
+        for p in procs:
+            p.wait(max(1.0, end - time.monotonic()))
+    except (subprocess.TimeoutExpired, RuntimeError):
+        _stop(procs)
+        raise
+    return [p.returncode for p in procs], time.monotonic() - t0
+
+
+def evaluate(cfg: Config, data: dict, run_dir: Path) -> dict[str, Any]:
+    """Accuracy of every snapshot, of the average and of the leader by loss, per mark."""
+    files = sorted(run_dir.glob("study-w*.npz"), key=lambda p: int(p.stem.split("-w")[1]))
+    if len(files) != cfg.workers:
+        raise RuntimeError(f"{len(files)} of {cfg.workers} workers wrote their snapshots")
+    runs = [np.load(f) for f in files]
+    count = min(len(r["marks"]) for r in runs)  # marks every worker reached
+    task = workloads.task(cfg.workload, cfg.seed, LR, MOMENTUM)
+    out: dict[str, Any] = {"marks": [int(m) for m in runs[0]["marks"][:count, 0]],
+                           "steps": [int(r["steps"]) for r in runs],
+                           "late": sum(int(r["late"]) for r in runs),
+                           "param_count": int(runs[0]["snaps"].shape[1])}
+    for split in ("test", "val"):
+        x, y = data[split]
+
+        def acc(vec: np.ndarray) -> float:
+            task.load(vec)
+            return round(task.accuracy(x, y), 4)
+
+        workers = [[acc(r["snaps"][m]) for m in range(count)] for r in runs]
+        average = [acc(np.mean([r["snaps"][m] for r in runs], axis=0)) for m in range(count)]
+        leader = []
+        for m in range(count):
+            losses = [r["marks"][m, 2] for r in runs]
+            best = 0 if m == 0 or not np.all(np.isfinite(losses)) else int(np.argmin(losses))
+            leader.append(workers[best][m])
+        out[split] = {"average": average, "leader": leader, "workers": workers}
+    return out
+
+
+def moved(run_dir: Path) -> dict[str, Any]:
+    g = json.loads((run_dir / "global" / "summary.json").read_text())
+    return {"bytes_in": g.get("parameter_bytes", {}).get("in", 0),
+            "bytes_out": g.get("parameter_bytes", {}).get("out", 0),
+            "rounds": g.get("rounds"), "counter": g.get("counter"),
+            "deltas": (g.get("center_deltas") or {}).get("applied", 0),
+            "mail": (g.get("mail") or {}).get("posted", 0)}
+
+
+def run(cfg: Config, data_path: Path, data: dict, work: Path, pace: float) -> Record:
+    """Run and evaluate one configuration (``work`` is scratch space, removed after)."""
+    run_dir = work / cfg.key.replace("/", "_").replace(",", "_").replace("=", "")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    timeout = max(300.0, 6 * cfg.steps * pace + 120)
+    rec = Record(config=asdict(cfg), ok=False, pace_s=pace)
+    try:
+        codes, rec.wall_s = run_job(cfg, data_path, run_dir, pace, timeout)
+        rec.exit_codes = codes
+        if any(codes):
+            tail = (run_dir / "node0.log").read_text()[-1500:]
+            raise RuntimeError(f"exit codes {codes}: {tail}")
+        ev = evaluate(cfg, data, run_dir)
+        rec.marks, rec.steps, rec.test, rec.val = ev["marks"], ev["steps"], ev["test"], ev["val"]
+        rec.param_count = ev["param_count"]
+        rec.late_fraction = round(ev["late"] / max(1, sum(ev["steps"])), 4)
+        summary = json.loads((run_dir / "node0" / "summary.json").read_text())
+        rec.final = {k: v.get("accuracy") for k, v in (summary.get("evaluation") or {}).items()
+                     if isinstance(v, dict)}
+        rec.moved = moved(run_dir) | {"node0_rounds": summary.get("rounds") or {}}
+        rec.ok = True
+    except Exception as exc:  # noqa: BLE001 - recorded, the study goes on
+        rec.error = f"{type(exc).__name__}: {exc}"[-2000:]
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return rec
