@@ -139,18 +139,22 @@ class Study:
         return best
 
     def main(self) -> int:
+        """Tuning first (every workload and rule), then the study seed by seed, so that a
+        partial study already holds every rule and worker count."""
         a = self.args
-        names = a.workloads
-        self.measure(names)
+        self.measure(a.workloads)
+        settings = {(name, r): self.tuned(name, grid.RULES[r]) for name in a.workloads
+                    for r in a.rules}
         failed = 0
-        for name in names:
-            for rule_name in a.rules:
-                rule = grid.RULES[rule_name]
-                setting = self.tuned(name, rule)
-                counts = [1] if rule.single else a.workers
-                for workers in counts:
-                    for seed in a.seeds:
-                        failed += self.run(self.config(name, rule, workers, seed, setting)) is None
+        for seed in a.seeds:
+            for name in a.workloads:
+                for workers in a.workers:
+                    for rule_name in a.rules:
+                        rule = grid.RULES[rule_name]
+                        if rule.single and workers != a.workers[0]:
+                            continue  # one worker: once per seed
+                        cfg = self.config(name, rule, workers, seed, settings[(name, rule_name)])
+                        failed += self.run(cfg) is None
         return 1 if failed else 0
 
 
