@@ -24,8 +24,8 @@ class Budget:
     target: float  # test accuracy the table times
 
 
-BUDGETS = {"cnn": Budget(steps=1500, mark=75, target=0.75),
-           "mlp": Budget(steps=3000, mark=150, target=0.62)}
+BUDGETS = {"cnn": Budget(steps=1500, mark=75, target=0.7),
+           "mlp": Budget(steps=2000, mark=100, target=0.62)}
 QUICK = {"cnn": Budget(steps=400, mark=40, target=0.6),
          "mlp": Budget(steps=800, mark=80, target=0.55)}
 

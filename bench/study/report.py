@@ -112,7 +112,7 @@ def table(results: dict, budgets: dict) -> list[str]:
         lines += [f"**{name}**: {b.steps} steps per worker, target {b.target:.0%} test accuracy",
                   "", "| rule | workers | seeds | accuracy at the budget | product's final "
                   "evaluation | steps to target | modelled s to target | modelled s at the "
-                  "budget | late steps |", "|---|---|---|---|---|---|---|---|---|"]
+                  "budget | workers apart (steps) |", "|---|---|---|---|---|---|---|---|---|"]
         for rule, w in rows:
             recs = g[(name, rule, w)]
             final = [float(np.mean(curve(r)[-2:])) for r in recs]
@@ -120,10 +120,10 @@ def table(results: dict, budgets: dict) -> list[str]:
             steps_to = [first_reach(np.asarray(r["marks"], float), curve(r), b.target) for r in recs]
             time_to = [first_reach(model_times(r), curve(r), b.target) for r in recs]
             total = [float(model_times(r)[-1]) for r in recs]
-            late = [r["late_fraction"] for r in recs]
+            apart = [r.get("lag_s", 0.0) / r["pace_s"] for r in recs if r["pace_s"]]
             lines.append(f"| {rule} | {w} | {len(recs)} | {_ms(final)} | {_ms(product)} | "
                          f"{_ms(steps_to, '{:.0f}')} | {_ms(time_to, '{:.2f}')} | "
-                         f"{_ms(total, '{:.2f}')} | {max(late):.0%} |")
+                         f"{_ms(total, '{:.2f}')} | {max(apart, default=0):.0f} |")
         lines.append("")
     return lines
 

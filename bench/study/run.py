@@ -60,6 +60,7 @@ class Record:
     wall_s: float = 0.0
     pace_s: float = 0.0
     late_fraction: float = 0.0
+    lag_s: float = 0.0  # the most the workers' clocks were apart at one mark
     steps: list[int] = field(default_factory=list)  # each worker's own steps
     marks: list[int] = field(default_factory=list)  # per-worker step of each mark
     test: dict = field(default_factory=dict)  # {"average": [...], "leader": [...], "workers": [[...]]}
@@ -131,6 +132,8 @@ def evaluate(cfg: Config, data: dict, run_dir: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"marks": [int(m) for m in runs[0]["marks"][:count, 0]],
                            "steps": [int(r["steps"]) for r in runs],
                            "late": sum(int(r["late"]) for r in runs),
+                           "lag_s": float(max(np.ptp([r["marks"][m, 1] for r in runs])
+                                              for m in range(1, count))) if count > 1 else 0.0,
                            "param_count": int(runs[0]["snaps"].shape[1])}
     for split in ("test", "val"):
         x, y = data[split]
@@ -176,6 +179,7 @@ def run(cfg: Config, data_path: Path, data: dict, work: Path, pace: float) -> Re
         rec.marks, rec.steps, rec.test, rec.val = ev["marks"], ev["steps"], ev["test"], ev["val"]
         rec.param_count = ev["param_count"]
         rec.late_fraction = round(ev["late"] / max(1, sum(ev["steps"])), 4)
+        rec.lag_s = round(ev["lag_s"], 3)
         summary = json.loads((run_dir / "node0" / "summary.json").read_text())
         rec.final = {k: v.get("accuracy") for k, v in (summary.get("evaluation") or {}).items()
                      if isinstance(v, dict)}
