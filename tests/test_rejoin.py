@@ -129,3 +129,20 @@ def test_a_new_job_in_an_old_run_dir_starts_a_fresh_metrics_file(cluster):
     rounds = [r["round"] for r in metric_rows(node_dir / "metrics.csv")]
     assert rounds and "999" not in rounds
     assert not (node_dir / "session").exists()
+
+
+@pytest.mark.timeout(90)
+def test_a_node_with_other_settings_is_refused_as_a_configuration_error(cluster):
+    # one line naming the node and the knobs, exit 2 (CONFIG): running it again cannot help
+    knobs = dict(NUM_GROUPS=2, WORKERS=2, ENTRY="toyjob:main", ITERATIONS=100000, JOIN_TIMEOUT=60)
+    n0 = cluster(0, PORT=0, **knobs)
+    n1 = cluster(1, PORT=cluster.port_of_node0(), **(knobs | {"WORKERS": 3}))
+    assert n1.wait(60) == 2, n1.output
+    lines = [line for line in n1.output.splitlines() if "refused this node" in line]
+    assert len(lines) == 1, n1.output
+    assert "node 1 runs" in lines[0] and "workers=3 but the job runs" in lines[0] and \
+        "workers=2" in lines[0], lines[0]
+    assert "Traceback" not in n1.output
+    assert n1.summary()["exit_code"] == 2
+    n0.proc.terminate()  # node 0 still waits for node 1: stop it as a user would
+    assert n0.wait(60) == 143, n0.output

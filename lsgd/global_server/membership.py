@@ -13,6 +13,7 @@ from . import claims
 from .records import CoordinatorError, NodeState
 
 log = logging.getLogger("lsgd.global_server.coordinator")
+FINISHING = "the job is finishing"  # the start of the refusal of a join that came too late
 
 
 class Membership:
@@ -55,7 +56,7 @@ class Membership:
             if self.round is None or self.round.kind != RoundKind.FINAL:
                 self._replace(old, now)
         if self.round is not None and self.round.kind == RoundKind.FINAL:
-            raise CoordinatorError("FAILED_PRECONDITION", "the job is finishing; no node can join")
+            raise CoordinatorError("FAILED_PRECONDITION", f"{FINISHING}; no node can join")
         session = self.rng.getrandbits(63) | 1
         node = NodeState(index, session, workers, joined_at=now, last_seen=now,
                          last_round_seen=self._round_seen_on_join(index),

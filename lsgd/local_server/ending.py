@@ -20,7 +20,7 @@ import grpc
 from .. import exitcodes
 from ..rules.base import Exchange
 from .global_client import GlobalUnreachable, stop_reason_of
-from .state import NodeError, Report
+from .state import JoinRefused, NodeError, Report
 from .store import SharedMemoryTooSmall
 
 log = logging.getLogger("lsgd.local_server.server")
@@ -75,6 +75,8 @@ class EndingMixin:
         if isinstance(exc, GlobalUnreachable):
             # node 0: the server it started died, which is not a matter of IP_ADDR/PORT
             return exitcodes.FAILED, self.global_fate() or str(exc)
+        if isinstance(exc, JoinRefused):
+            return exitcodes.CONFIG, str(exc)
         if isinstance(exc, NodeError):
             return exitcodes.FAILED, str(exc)
         return exitcodes.FAILED, f"internal error: {type(exc).__name__}: {exc}"

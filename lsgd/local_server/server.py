@@ -46,7 +46,9 @@ from .async_node import AsyncNode, buffer_names
 from .async_rounds import AsyncMixin
 from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
-from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat
+from ..global_server.membership import FINISHING
+from .global_client import (CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat,
+                            stop_reason_of)
 from .inbox import Inbox
 from .liveness import LoopBeat, stale_after
 from .metrics import MetricsWriter
@@ -54,7 +56,7 @@ from .procs import end_group, start_process, stop_process
 from .progress import Progress
 from .recovery import RecoveryMixin
 from .round_runner import RECOVERABLE, STOP_GRACE, RoundMixin
-from .state import NodeError, Report, WorkerState
+from .state import JoinRefused, NodeError, Report, WorkerState
 from .store import NodeStore, StoreLayout, reclaim_stale
 from .summary import budget_reason, where_to_look
 from .view import NodeView
@@ -432,9 +434,16 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         self.layout_name = layout.name
         self.view.wait(f"joining the job at {self.address}", "CONNECT_TIMEOUT",
                        self.cfg.connect_timeout)
-        resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
-                                algorithm=self.cfg.rule_spec, num_groups=self.cfg.num_groups,
-                                connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
+        try:
+            resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
+                                    algorithm=self.cfg.rule_spec, num_groups=self.cfg.num_groups,
+                                    connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
+        except grpc.RpcError as exc:
+            details = exc.details() or ""
+            if (exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+                    and stop_reason_of(exc) is None and not details.startswith(FINISHING)):
+                raise JoinRefused(f"the global server refused this node: {details}") from None
+            raise
         self._joined(resp.session, resp.counter)
         self.view.on_counter(resp.counter)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),

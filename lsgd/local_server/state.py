@@ -10,6 +10,11 @@ class NodeError(RuntimeError):
     """The node cannot go on; the message says why."""
 
 
+class JoinRefused(NodeError):
+    """The global server refused this node's settings or place in the job (a different job id,
+    algorithm, NUM_GROUPS or WORKERS, an index out of range or taken): a configuration error."""
+
+
 @dataclass
 class WorkerState:
     local: int
