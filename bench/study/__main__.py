@@ -6,18 +6,22 @@
     python -m bench.study --report        # only the table, plots and docs/study.md block
 
 Resumable: each finished run is saved in the results file at once, under a key naming its
-configuration, and is not run again (delete the entry, or pass --again, to redo it). Splittable:
-``--rules``, ``--workers``, ``--seeds`` and ``--workloads`` pick a part; runs of several
-invocations share the file. Tuning comes first for each rule (``grid.py``), the study runs use the
-setting it picked. Each invocation measures the step time and the link (``link.py``) again and
-stores them with the runs it makes.
+configuration, and is not run again (pass --again to redo). Splittable: ``--rules``,
+``--workers``, ``--seeds`` and ``--workloads`` pick a part; the invocations share the file (one
+at a time: a second one waits for the first, they would share the cores). Tuning comes first for
+each rule (``grid.py``); the study runs use the setting and the model it picked. Each invocation
+measures the step time and the link again (``link.py``); the report times every run with the
+medians over all invocations, so all rules are timed on the same modelled cluster.
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
+import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -31,10 +35,10 @@ from ..common import REPO, machine
 from . import grid, link, report, run, workloads
 
 RESULTS = REPO / "bench" / "study_results.json"
+DOC = REPO / "docs" / "study.md"
 # A worker's step costs ~2x more CPU inside a job of many processes than alone (caches, the
 # local and global servers, the rounds); 3x leaves the room to keep every worker on time.
-PACE_FACTOR = float(os.environ.get("STUDY_PACE_FACTOR", "3.0"))
-DOC = REPO / "docs" / "study.md"
+PACE_FACTOR = 3.0
 
 
 def load(path: Path) -> dict:
@@ -69,9 +73,17 @@ def step_time(name: str, data: dict, steps: int = 300) -> float:
 
 def pace_for(workers: int, t_step: float) -> float:
     """Seconds between a worker's steps, so that ``workers`` workers keep up on this machine's
-    cores with room for lsgd's own processes (the late steps are counted)."""
+    cores with room for lsgd's own processes (how far apart they got is measured)."""
     cores = os.cpu_count() or 1
     return max(0.002, PACE_FACTOR * workers * t_step / cores + 0.001)
+
+
+def validation_score(rec: dict, model: str) -> float:
+    """A run's validation accuracy at the budget: the mean of its last two marks and its end."""
+    values = rec["val"].get(model)
+    if not values:
+        return float("nan")
+    return float(np.mean(values[-3:]))
 
 
 class Study:
@@ -110,35 +122,41 @@ class Study:
         path, data = self.context["data"][cfg.workload]
         t_step = self.context["t_step"][cfg.workload]
         t0 = time.monotonic()
-        rec = run.run(cfg, path, data, self.work, pace_for(cfg.workers, t_step))
+        rec = run.run(cfg, path, data, self.work, pace_for(cfg.workers, t_step), t_step)
         out = asdict(rec) | {"t_step": t_step, "link": self.context["link"]}
         runs[cfg.key] = out
         save(self.path, self.results)
-        curve = rec.test.get(grid.RULES[cfg.rule].curve, [])
+        ends = {m: v[-1] for m, v in rec.test.items() if m in grid.MODELS and v}
         print(f"  {cfg.key}: {'ok' if rec.ok else 'FAILED'} in {time.monotonic() - t0:.0f} s"
-              + (f", final {curve[-1]:.3f}, late {rec.late_fraction:.0%}" if curve else "")
+              + (f", at the end {json.dumps(ends)}, steps {min(rec.steps)}-{max(rec.steps)}, "
+                 f"apart {rec.lag_s / rec.pace_s:.0f} steps" if ends else "")
               + (f"\n    {rec.error[-400:]}" if rec.error else ""), flush=True)
         return out if rec.ok else None
 
-    def tuned(self, name: str, rule: grid.Rule) -> int:
-        """The grid setting of ``rule`` with the best validation accuracy (tuning it first)."""
-        if len(rule.grid) == 1:
-            return 0
-        key = f"{name}/{rule.name}/{self.budgets[name].steps}"
-        if key in self.results["tuned"] and not self.args.again:
-            return self.results["tuned"][key]["setting"]
-        if self.args.quick:
-            return len(rule.grid) // 2  # no tuning in the quick form: the middle setting
-        scores = []
+    def tuned(self, name: str, rule: grid.Rule) -> tuple[int, str]:
+        """The grid setting and the model (leader, average or center) of ``rule`` with the best
+        validation accuracy at the budget, tuning it first (one run per setting)."""
+        key = f"{name}/{rule.name}/{self.budgets[name].steps}/{run.METHOD}"
+        grid_now = [list(map(list, g)) for g in rule.grid]
+        known = self.results["tuned"].get(key)
+        if known and known["grid"] == grid_now and not self.args.again:
+            return known["setting"], known["model"]
+        if self.args.quick:  # no tuning in the quick form: the middle setting, the product
+            return len(rule.grid) // 2, rule.product
+        scores: list[dict[str, float]] = []
         for setting in range(len(rule.grid)):
             rec = self.run(self.config(name, rule, grid.TUNE_WORKERS, grid.TUNE_SEED, setting))
-            scores.append(-1.0 if rec is None else float(np.mean(rec["val"][rule.curve][-3:])))
-        best = int(np.argmax(scores))
-        self.results["tuned"][key] = {"setting": best, "val_scores": scores,
-                                      "grid": [list(map(list, g)) for g in rule.grid]}
+            if rec is None:
+                raise RuntimeError(f"tuning {name}/{rule.name}: setting {rule.grid[setting]} "
+                                   "failed; fix it and run again (nothing was picked)")
+            scores.append({m: validation_score(rec, m) for m in grid.MODELS if m in rec["val"]})
+        best = max(((s, m) for s, sc in enumerate(scores) for m in sc if math.isfinite(sc[m])),
+                   key=lambda sm: scores[sm[0]][sm[1]])
+        self.results["tuned"][key] = {"setting": best[0], "model": best[1],
+                                      "val_scores": scores, "grid": grid_now}
         save(self.path, self.results)
-        print(f"  tuned {name}/{rule.name}: setting {best} {rule.grid[best]} "
-              f"(validation {['%.3f' % s for s in scores]})", flush=True)
+        print(f"  tuned {name}/{rule.name}: {rule.grid[best[0]]}, the {best[1]} "
+              f"(validation {json.dumps(scores)})", flush=True)
         return best
 
     def main(self) -> int:
@@ -146,8 +164,8 @@ class Study:
         partial study already holds every rule and worker count."""
         a = self.args
         self.measure(a.workloads)
-        settings = {(name, r): self.tuned(name, grid.RULES[r]) for name in a.workloads
-                    for r in a.rules}
+        picks = {(name, r): self.tuned(name, grid.RULES[r]) for name in a.workloads
+                 for r in a.rules}
         failed = 0
         for seed in a.seeds:
             for name in a.workloads:
@@ -156,15 +174,18 @@ class Study:
                         rule = grid.RULES[rule_name]
                         if rule.single and workers != a.workers[0]:
                             continue  # one worker: once per seed
-                        cfg = self.config(name, rule, workers, seed, settings[(name, rule_name)])
+                        cfg = self.config(name, rule, workers, seed, picks[(name, rule_name)][0])
                         failed += self.run(cfg) is None
         return 1 if failed else 0
+
+    def close(self) -> None:
+        shutil.rmtree(self.work, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.study", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="short runs, 4 workers, one seed, no "
-                   "tuning (the middle of each grid): under 10 minutes")
+                   "tuning (the middle of each grid, the model the rule delivers): under 10 minutes")
     p.add_argument("--workloads", nargs="+", choices=workloads.NAMES, default=list(workloads.NAMES))
     p.add_argument("--rules", nargs="+", choices=list(grid.RULES), default=list(grid.RULES))
     p.add_argument("--workers", nargs="+", type=int, choices=grid.WORKERS, default=None)
@@ -186,7 +207,17 @@ def main(argv: list[str] | None = None) -> int:
         a.doc = Path(a.results).with_suffix(".md") if a.quick else DOC
     code = 0
     if not a.report:
-        code = Study(a).main()
+        with open(f"{a.results}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                print(f"waiting for the other study on {a.results} to finish ...", flush=True)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            study = Study(a)
+            try:
+                code = study.main()
+            finally:
+                study.close()
     results = load(Path(a.results))
     budgets = grid.QUICK if a.quick else grid.BUDGETS
     written = report.write(results, budgets, Path(a.doc), command="python -m bench.study"

@@ -97,7 +97,7 @@ class Task:
     batch, and evaluation of a flat parameter vector."""
 
     params: list  # what worker.register() gets
-    step: Callable[[np.ndarray, np.ndarray], float]
+    step: Callable[[np.ndarray, np.ndarray], tuple[float, float]]  # (loss, gradient norm)
     flat: Callable[[], np.ndarray]
     load: Callable[[np.ndarray], None]
     accuracy: Callable[[np.ndarray, np.ndarray], float]
@@ -117,12 +117,14 @@ def cnn_task(seed: int, lr: float, momentum: float) -> Task:
     loss_fn = nn.CrossEntropyLoss()
     params = list(model.parameters())
 
-    def step(x: np.ndarray, y: np.ndarray) -> float:
+    def step(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model(torch.from_numpy(x)), torch.from_numpy(y))
         loss.backward()
+        with torch.no_grad():
+            norm = float(torch.sqrt(sum((p.grad * p.grad).sum() for p in params)))
         opt.step()
-        return float(loss.detach())
+        return float(loss.detach()), norm
 
     def flat() -> np.ndarray:
         with torch.no_grad():
@@ -158,7 +160,7 @@ def mlp_task(seed: int, lr: float, momentum: float) -> Task:
             acts.append(np.maximum(z, 0) if i + 2 < len(params) else z)
         return acts
 
-    def step(x: np.ndarray, y: np.ndarray) -> float:
+    def step(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
         acts = forward(x)
         logits = acts[-1] - acts[-1].max(axis=1, keepdims=True)
         p = np.exp(logits)
@@ -168,15 +170,17 @@ def mlp_task(seed: int, lr: float, momentum: float) -> Task:
         g = p
         g[np.arange(n), y] -= 1
         g /= n
+        sq = 0.0
         for i in range(len(params) - 2, -1, -2):
             gw, gb = acts[i // 2].T @ g, g.sum(axis=0)
             if i:
                 g = (g @ params[i].T) * (acts[i // 2] > 0)
             for j, grad in ((i, gw), (i + 1, gb)):
+                sq += float(np.vdot(grad, grad))
                 vel[j] *= mom
                 vel[j] -= lr32 * grad
                 params[j] += mom * vel[j] - lr32 * grad  # Nesterov
-        return loss
+        return loss, float(np.sqrt(sq))
 
     def flat() -> np.ndarray:
         return np.concatenate([p.ravel() for p in params])
