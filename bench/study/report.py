@@ -145,9 +145,10 @@ def table(results: dict, budgets: dict) -> list[str]:
             total = [float(model_times(r, k)[-1]) for r in recs]
             taken = [s for r in recs for s in r["steps"]]
             apart = max(r["lag_s"] / r["pace_s"] for r in recs)
+            held = "" if all(r.get("fair") for r in recs) else " (not held)"
             lines.append(f"| {rule} | {model} | {w} | {len(recs)} | {_ms(final)} | "
                          f"{_ms(steps_to, '{:.0f}')} | {_ms(time_to, '{:.2f}')} | "
-                         f"{_ms(total, '{:.2f}')} | {min(taken)}-{max(taken)} | {apart:.0f} |")
+                         f"{_ms(total, '{:.2f}')} | {min(taken)}-{max(taken)}{held} | {apart:.0f} |")
         lines.append("")
     return lines
 

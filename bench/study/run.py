@@ -34,7 +34,7 @@ BATCH, LR, MOMENTUM = 32, 0.05, 0.9
 SYNC_EVERY = 0.05  # lsgd's default seconds between an asynchronous node's syncs
 # Changes to how a run is made (pacing, snapshots, knobs passed) bump this: older runs in the
 # results file are then not mixed with new ones.
-METHOD = "m2"
+METHOD = "m3"
 
 
 @dataclass(frozen=True)
