@@ -1,0 +1,252 @@
+"""The parameter plane's data connection: one vector from one node to another (issue 15,
+docs/design-scale.md). In progress: not used by the node loop yet.
+
+One TCP connection carries one transfer. All integers are little-endian.
+
+1. receiver → sender ``HELLO``: ``b"LSGDDATA"``, version, a fresh 16-byte nonce;
+2. sender → receiver ``HEADER`` (fixed size) + MAC: job, round, route epoch, kind, wire format,
+   sender, receiver, element count, chunk size;
+3. receiver → sender ``REPLY`` + MAC: accept with the offset it already holds (a re-routed sender
+   resumes there), or refuse with a reason (one line), and close;
+4. sender → receiver, until the vector is whole: ``CHUNK``: offset, element count, the raw
+   bytes, MAC;
+5. receiver → sender ``DONE`` + MAC.
+
+With a job secret every message carries an HMAC-SHA256 under a key of this connection only
+(``HMAC(secret, "lsgd-data-v1" + nonce)``) over a direction byte, the message's sequence number
+in its direction and the message: nothing can be replayed from another connection, reordered or
+injected. Without a secret (a job on loopback only) the MACs are zeros and unchecked. Every
+field is bounded before anything is written: a refused header writes nothing, a chunk is
+written into the receiver's staging buffer before its MAC is checked but counts (and is
+forwarded) only after, and the staging buffer is applied only once whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .route import Reception, RouteError
+
+MAGIC, VERSION = b"LSGDDATA", 1
+NONCE = 16
+MAC = 32
+ITEMSIZE = {0: 4, 1: 2}  # wire format code: float32, bfloat16
+MAX_CHUNK = 1 << 22  # elements in one chunk (16 MiB of float32)
+MAX_COUNT = 1 << 34  # elements in one vector
+MAX_REASON = 200
+_HELLO = struct.Struct("<8sB16s")
+_HEADER = struct.Struct("<32sQIBBiiQI")  # job, round, epoch, kind, wire, sender, receiver, count, chunk
+_REPLY = struct.Struct("<BQH")  # status (0 accept, 1 refuse), offset, reason length
+_CHUNK = struct.Struct("<QI")  # offset, elements
+_DONE = struct.Struct("<B")
+
+
+class TransferError(RuntimeError):
+    """The transfer cannot go on: refused, broken, forged or too slow; the message says why."""
+
+
+@dataclass(frozen=True)
+class Header:
+    job: str
+    round_id: int
+    epoch: int
+    kind: int  # route.Kind: 0 broadcast, 1 reduce
+    wire: int  # a key of ITEMSIZE
+    sender: int
+    receiver: int
+    count: int  # elements
+    chunk: int  # elements per chunk at most
+
+    def pack(self) -> bytes:
+        job = self.job.encode()
+        if len(job) > 32:
+            raise TransferError(f"job id {self.job!r} is longer than 32 bytes")
+        return _HEADER.pack(job, self.round_id, self.epoch, self.kind, self.wire, self.sender,
+                            self.receiver, self.count, self.chunk)
+
+    @classmethod
+    def unpack(cls, data: bytes) -> "Header":
+        job, rnd, epoch, kind, wire, sender, receiver, count, chunk = _HEADER.unpack(data)
+        try:
+            text = job.rstrip(b"\0").decode()
+        except UnicodeDecodeError:
+            raise TransferError("the header's job id is not text") from None
+        h = cls(text, rnd, epoch, kind, wire, sender, receiver, count, chunk)
+        if wire not in ITEMSIZE or kind not in (0, 1):
+            raise TransferError(f"unknown wire format {wire} or kind {kind}")
+        if not (1 <= count <= MAX_COUNT and 1 <= chunk <= MAX_CHUNK):
+            raise TransferError(f"count {count} or chunk {chunk} out of bounds")
+        return h
+
+
+class _Channel:
+    """One side of a connection: exact reads with a deadline, MACs with sequence numbers."""
+
+    def __init__(self, sock: socket.socket, secret: bytes | None, deadline: float) -> None:
+        self.sock, self.secret, self.deadline = sock, secret, deadline
+        self.key: bytes | None = None
+        self.sent = self.received = 0
+
+    def keyed(self, nonce: bytes) -> None:
+        if self.secret is not None:
+            self.key = hmac.new(self.secret, b"lsgd-data-v1" + nonce, hashlib.sha256).digest()
+
+    def _mac(self, direction: bytes, seq: int, parts: tuple) -> bytes:
+        if self.key is None:
+            return bytes(MAC)
+        h = hmac.new(self.key, direction + seq.to_bytes(8, "little"), hashlib.sha256)
+        for p in parts:
+            h.update(p)
+        return h.digest()
+
+    def send(self, direction: bytes, *parts: bytes | memoryview) -> None:
+        mac = self._mac(direction, self.sent, parts)
+        self.sent += 1
+        for p in parts:
+            self._sendall(p)
+        self._sendall(mac)
+
+    def check(self, direction: bytes, *parts: bytes | memoryview) -> None:
+        mac = self.read(MAC)
+        want = self._mac(direction, self.received, parts)
+        self.received += 1
+        if not hmac.compare_digest(mac, want):
+            raise TransferError("a message's MAC does not match: forged, replayed or corrupted")
+
+    def _left(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError("the transfer's deadline passed")
+        return left
+
+    def _sendall(self, data: bytes | memoryview) -> None:
+        self.sock.settimeout(self._left())
+        try:
+            self.sock.sendall(data)
+        except TimeoutError:
+            raise TransferError("the transfer's deadline passed (sending)") from None
+        except OSError as exc:
+            raise TransferError(f"send failed: {exc}") from None
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        self.read_into(memoryview(buf))
+        return bytes(buf)
+
+    def read_into(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            self.sock.settimeout(self._left())
+            try:
+                n = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                raise TransferError("the transfer's deadline passed (receiving)") from None
+            except OSError as exc:
+                raise TransferError(f"receive failed: {exc}") from None
+            if n == 0:
+                raise TransferError("the peer closed the connection")
+            got += n
+
+
+TO_RECEIVER, TO_SENDER = b">", b"<"
+
+
+def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: bytes | None,
+                timeout: float, chunk_ready: Callable[[int], int] | None = None) -> None:
+    """Send ``data`` (``header.count`` elements as raw bytes) over ``sock``.
+
+    ``chunk_ready(end)``, if given, blocks until at least the first ``end`` elements of
+    ``data`` are there (a forwarding member sends what it has received so far) and returns how
+    many are; otherwise all of ``data`` is ready.
+    """
+    item = ITEMSIZE[header.wire]
+    if len(data) != header.count * item:
+        raise TransferError(f"{len(data)} bytes for {header.count} elements of {item} bytes")
+    ch = _Channel(sock, secret, time.monotonic() + timeout)
+    magic, version, nonce = _HELLO.unpack(ch.read(_HELLO.size))
+    if magic != MAGIC or version != VERSION:
+        raise TransferError("the peer does not speak lsgd's data protocol (version 1)")
+    ch.keyed(nonce)
+    ch.send(TO_RECEIVER, header.pack())
+    status, offset, length = _REPLY.unpack(ch.read(_REPLY.size))
+    if length > MAX_REASON:
+        raise TransferError(f"node {header.receiver} sent a reason of {length} bytes")
+    reason = ch.read(length) if length else b""
+    ch.check(TO_SENDER, _REPLY.pack(status, offset, length), reason)
+    if status != 0:
+        raise TransferError(f"node {header.receiver} refused the transfer: "
+                            f"{reason.decode(errors='replace')}")
+    if offset > header.count:
+        raise TransferError(f"node {header.receiver} resumes at {offset} of {header.count}")
+    while offset < header.count:
+        end = min(offset + header.chunk, header.count)
+        if chunk_ready is not None:
+            end = min(end, chunk_ready(end))
+        n = end - offset
+        ch.send(TO_RECEIVER, _CHUNK.pack(offset, n), data[offset * item:end * item])
+        offset = end
+    (status,) = _DONE.unpack(ch.read(_DONE.size))
+    ch.check(TO_SENDER, _DONE.pack(status))
+
+
+def receive_vector(sock: socket.socket, out: memoryview, reception: Reception,
+                   secret: bytes | None, timeout: float,
+                   admit: Callable[[Header], str | None],
+                   on_chunk: Callable[[int, int], None] | None = None) -> Header:
+    """Receive one transfer into ``out`` (the staging buffer, raw bytes of the whole vector).
+
+    ``admit(header)`` returns None to accept or a one-line reason to refuse (the job, round,
+    route and sender are the caller's to check); the route epoch and the resume offset come from
+    ``reception``. ``on_chunk(offset, n)`` is called for each chunk once its MAC checked out,
+    before the next is read (a member forwards from there). Returns the header.
+    """
+    ch = _Channel(sock, secret, time.monotonic() + timeout)
+    nonce = os.urandom(NONCE)
+    ch.keyed(nonce)
+    ch._sendall(_HELLO.pack(MAGIC, VERSION, nonce))
+    raw = ch.read(_HEADER.size)
+    ch.check(TO_RECEIVER, raw)
+    header = Header.unpack(raw)
+    item = ITEMSIZE[header.wire]
+    why = admit(header)
+    if why is None and (header.count != reception.count or len(out) != header.count * item):
+        why = f"the vector has {reception.count} elements, not {header.count}"
+    offset = 0
+    if why is None:
+        try:
+            offset = reception.open(header.epoch)
+        except RouteError as exc:
+            why = str(exc)
+    if why is not None:
+        reason = why.encode()[:MAX_REASON]
+        ch.send(TO_SENDER, _REPLY.pack(1, 0, len(reason)), reason)
+        raise TransferError(f"refused node {header.sender}'s transfer: {why}")
+    ch.send(TO_SENDER, _REPLY.pack(0, offset, 0), b"")
+    while not reception.complete:
+        raw = ch.read(_CHUNK.size)
+        at, n = _CHUNK.unpack(raw)
+        if at != reception.offset or not 1 <= n <= header.chunk or at + n > header.count:
+            raise TransferError(f"a chunk of {n} elements at {at}; expected one of at most "
+                                f"{header.chunk} at {reception.offset} of {header.count}")
+        view = out[at * item:(at + n) * item]
+        ch.read_into(view)
+        ch.check(TO_RECEIVER, raw, view)
+        reception.accept(header.epoch, at, n)
+        if on_chunk is not None:
+            on_chunk(at, n)
+    ch.send(TO_SENDER, _DONE.pack(0))
+    return header
+
+
+def as_bytes(vec: np.ndarray) -> memoryview:
+    """A contiguous vector's raw bytes, without a copy."""
+    return memoryview(np.ascontiguousarray(vec)).cast("B")

@@ -1,0 +1,186 @@
+"""The parameter plane's data connection (lsgd/plane/wire.py) over socket pairs: whole
+transfers, refusals, forgery, resumption, a pipelined chain, deadlines. Small vectors."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from lsgd.plane import wire
+from lsgd.plane.route import Reception
+from lsgd.plane.wire import Header, TransferError, as_bytes, receive_vector, send_vector
+
+SECRET = b"a job secret of enough bytes, 32+"
+
+
+def header(count: int, chunk: int = 7, **kw) -> Header:
+    base = dict(job="job", round_id=5, epoch=0, kind=0, wire=0, sender=1, receiver=2,
+                count=count, chunk=chunk)
+    return Header(**(base | kw))
+
+
+def run_pair(send, receive):
+    """Run ``send(sock)`` in a thread and ``receive(sock)`` here; (send's error, receive's
+    result or error)."""
+    a, b = socket.socketpair()
+    box = {}
+
+    def sender():
+        try:
+            send(a)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            box["send"] = exc
+        finally:
+            a.close()
+
+    t = threading.Thread(target=sender)
+    t.start()
+    try:
+        got = receive(b)
+    except Exception as exc:  # noqa: BLE001
+        got = exc
+    finally:
+        b.close()
+        t.join(10)
+    assert not t.is_alive()
+    return box.get("send"), got
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_a_vector_arrives_whole_in_chunks(secret):
+    src = np.random.default_rng(0).standard_normal(50).astype(np.float32)
+    out = np.zeros(50, np.float32)
+    rx, seen = Reception(50), []
+    err, got = run_pair(
+        lambda s: send_vector(s, header(50), as_bytes(src), secret, timeout=5),
+        lambda s: receive_vector(s, as_bytes(out), rx, secret, 5, admit=lambda h: None,
+                                 on_chunk=lambda at, n: seen.append((at, n))))
+    assert err is None and got == header(50)
+    assert rx.complete and np.array_equal(out, src)
+    assert seen == [(i, min(7, 50 - i)) for i in range(0, 50, 7)]
+
+
+def test_a_refusal_reaches_the_sender_and_writes_nothing():
+    src, out = np.ones(10, np.float32), np.zeros(10, np.float32)
+    err, got = run_pair(
+        lambda s: send_vector(s, header(10), as_bytes(src), SECRET, timeout=5),
+        lambda s: receive_vector(s, as_bytes(out), Reception(10), SECRET, 5,
+                                 admit=lambda h: f"round {h.round_id} is not open"))
+    assert isinstance(err, TransferError) and "refused the transfer: round 5 is not open" in str(err)
+    assert isinstance(got, TransferError) and not out.any()
+
+
+def test_another_secret_is_refused_at_the_header():
+    src, out = np.ones(10, np.float32), np.zeros(10, np.float32)
+    rx = Reception(10)
+    err, got = run_pair(
+        lambda s: send_vector(s, header(10), as_bytes(src), b"not the job's secret", timeout=5),
+        lambda s: receive_vector(s, as_bytes(out), rx, SECRET, 5, admit=lambda h: None))
+    assert isinstance(got, TransferError) and "MAC does not match" in str(got)
+    assert isinstance(err, TransferError) and rx.offset == 0 and not out.any()
+
+
+def test_a_count_other_than_the_models_is_refused():
+    src, out = np.ones(12, np.float32), np.zeros(10, np.float32)
+    err, got = run_pair(
+        lambda s: send_vector(s, header(12), as_bytes(src), SECRET, timeout=5),
+        lambda s: receive_vector(s, as_bytes(out), Reception(10), SECRET, 5, admit=lambda h: None))
+    assert isinstance(err, TransferError) and "has 10 elements, not 12" in str(err)
+    assert not out.any()
+
+
+def test_a_rerouted_sender_resumes_where_the_receiver_stopped():
+    src = np.arange(20, dtype=np.float32)
+    out = np.zeros(20, np.float32)
+    rx = Reception(20)
+    rx.open(0)
+    rx.accept(0, 0, 6)  # the first sender got 6 elements through, then stalled
+    out[:6] = src[:6]
+    seen = []
+    err, got = run_pair(
+        lambda s: send_vector(s, header(20, epoch=1), as_bytes(src), SECRET, timeout=5),
+        lambda s: receive_vector(s, as_bytes(out), rx, SECRET, 5, admit=lambda h: None,
+                                 on_chunk=lambda at, n: seen.append(at)))
+    assert err is None and seen[0] == 6 and np.array_equal(out, src)
+    # the bypassed sender's epoch is refused from now on
+    err, got = run_pair(
+        lambda s: send_vector(s, header(20, epoch=0), as_bytes(src), SECRET, timeout=5),
+        lambda s: receive_vector(s, as_bytes(out), rx, SECRET, 5, admit=lambda h: None))
+    assert isinstance(err, TransferError) and "older than epoch 1" in str(err)
+
+
+def test_a_chunk_out_of_place_from_a_node_with_the_secret_is_refused():
+    """A sender that holds the secret but sends a chunk beyond the held prefix."""
+    out = np.zeros(10, np.float32)
+    rx = Reception(10)
+
+    def rogue(s):
+        ch = wire._Channel(s, SECRET, deadline=wire.time.monotonic() + 5)
+        _, _, nonce = wire._HELLO.unpack(ch.read(wire._HELLO.size))
+        ch.keyed(nonce)
+        ch.send(wire.TO_RECEIVER, header(10).pack())
+        ch.read(wire._REPLY.size + wire.MAC)
+        ch.send(wire.TO_RECEIVER, wire._CHUNK.pack(4, 2), b"\xff" * 8)  # skips 0..3
+
+    err, got = run_pair(rogue, lambda s: receive_vector(s, as_bytes(out), rx, SECRET, 5,
+                                                        admit=lambda h: None))
+    assert isinstance(got, TransferError) and "expected one of at most 7 at 0" in str(got)
+    assert rx.offset == 0 and not out.any()
+
+
+def test_a_silent_sender_ends_at_the_deadline():
+    out = np.zeros(4, np.float32)
+    a, b = socket.socketpair()
+    try:
+        t0 = wire.time.monotonic()
+        with pytest.raises(TransferError, match="deadline"):
+            receive_vector(b, as_bytes(out), Reception(4), SECRET, 0.3, admit=lambda h: None)
+        assert wire.time.monotonic() - t0 < 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_member_forwards_each_chunk_as_it_arrives():
+    """A -> B -> C: B forwards from its staging buffer what it holds so far."""
+    src = np.random.default_rng(1).standard_normal(100).astype(np.float32)
+    at_b, at_c = np.zeros(100, np.float32), np.zeros(100, np.float32)
+    rx_b, rx_c = Reception(100), Reception(100)
+    held = threading.Condition()
+
+    def chunk_ready(end: int) -> int:
+        with held:
+            held.wait_for(lambda: rx_b.offset >= end or rx_b.offset == 100, timeout=5)
+            return rx_b.offset
+
+    def arrived(at: int, n: int) -> None:
+        with held:
+            held.notify_all()
+
+    ab, ba = socket.socketpair()
+    bc, cb = socket.socketpair()
+    errors = []
+
+    def run(fn):
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=run, args=(lambda: send_vector(ab, header(100, chunk=9), as_bytes(src), SECRET, 5),)),
+        threading.Thread(target=run, args=(lambda: receive_vector(ba, as_bytes(at_b), rx_b, SECRET, 5, admit=lambda h: None, on_chunk=arrived),)),
+        threading.Thread(target=run, args=(lambda: send_vector(bc, header(100, chunk=4, sender=2, receiver=3), as_bytes(at_b), SECRET, 5, chunk_ready=chunk_ready),)),
+    ]
+    for t in threads:
+        t.start()
+    receive_vector(cb, as_bytes(at_c), rx_c, SECRET, 5, admit=lambda h: None)
+    for t in threads:
+        t.join(5)
+    for s in (ab, ba, bc, cb):
+        s.close()
+    assert not errors, errors
+    assert np.array_equal(at_b, src) and np.array_equal(at_c, src)
