@@ -133,7 +133,7 @@ class Study:
             return runs[cfg.key]
         path, data = self.context["data"][cfg.workload]
         t_step = self.context["t_step"][cfg.workload]
-        pace = pace_for(cfg.workers, t_step)
+        pace = pace_for(cfg.workers, t_step) * grid.RULES[cfg.rule].pace
         for attempt in range(1, TRIES + 1):
             t0 = time.monotonic()
             rec = run.run(cfg, path, data, self.work, pace, t_step)

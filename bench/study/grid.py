@@ -49,6 +49,7 @@ class Rule:
     grid: tuple[Knobs, ...] = ((),)  # the settings tuned over
     single: bool = False  # one worker (the baseline), whatever the worker count
     product: str = "average"  # the model the rule delivers (docs/rules.md): the quick form's pick
+    pace: float = 1.0  # the first run's pace, times the usual (a round after every step is slow)
 
 
 def resolve(knobs: Knobs, workers: int) -> Knobs:
@@ -64,7 +65,7 @@ P = str(PERIOD)
 SYNC = (("G_COMM", P), ("L_COMM", P))  # one global round every PERIOD steps, no local rounds
 RULES = {r.name: r for r in (
     Rule("sgd", "lsgd", (), single=True, product="leader"),
-    Rule("bsp", "average", (("G_COMM", "1"), ("L_COMM", "1"))),
+    Rule("bsp", "average", (("G_COMM", "1"), ("L_COMM", "1")), pace=2.5),
     Rule("localsgd", "average", SYNC),
     # EASGD's paper ties the two rates: beta = p * alpha for p workers (beta = 0.9 there)
     Rule("easgd", "easgd", SYNC,
