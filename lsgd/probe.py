@@ -7,13 +7,15 @@ else ``SLURM_PROCID``. Exit 0 when the probe passes, 1 (with one line saying why
 - ``lsgd probe`` (readiness): the server answers SERVING for ``lsgd.v1.GlobalServer``; a node
   cannot train without it.
 - ``lsgd probe --live`` (liveness): fails only when restarting this node's container can help.
-  The server answers NOT_SERVING for ``lsgd.v1.Node/<index>``: it dropped this node, whose
-  heartbeats stopped although the probe reaches the server, so the node's process or loop is
-  stuck (a node beats only while its loop runs, ``Heartbeat``). On node 0 also: its own global
-  server does not answer at all. It passes while the node has not joined yet (that wait is
-  bounded by CONNECT_TIMEOUT, after which the node exits by itself), and, on another node, while
-  node 0 does not answer (restarting this node would not bring node 0 back; the node exits by
-  itself after RECONNECT_TIMEOUT).
+  The server answers NOT_SERVING for ``lsgd.v1.Node/<index>``: it dropped this node more than
+  RECONNECT_TIMEOUT + 10 s ago and the node has not joined again, although the probe reaches the
+  server, so the node's process or loop is stuck (a node beats only while its loop runs,
+  ``Heartbeat``; one cut off by a partition reattaches or exits by itself within
+  RECONNECT_TIMEOUT). On node 0 also: its own global server does not answer at all. It passes
+  while this container's node has not joined yet (no ``RUN_DIR/node<i>/session``: joining is
+  bounded by CONNECT_TIMEOUT, after which the node exits by itself), and, on another node,
+  while node 0 does not answer (restarting this node would not bring node 0 back; the node
+  exits by itself after RECONNECT_TIMEOUT).
 
 TLS as the node uses it (``TLS_CA``; ``TLS_CERT`` and ``TLS_KEY`` under ``MTLS=1``), the name
 checked against node 0's certificate being ``IP_ADDR`` also when node 0 asks itself on
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Mapping
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from .config import JobConfig
 from .global_server.probes import NODE_SERVICE, SERVICE
 from .security import Security, SecurityError, _read_pem
 
@@ -60,7 +64,10 @@ def check(env: Mapping[str, str], live: bool = False) -> tuple[bool, str]:
     channel = tls.channel(target, options)
     try:
         stub = health_pb2_grpc.HealthStub(channel)
-        return (_live if live else _ready)(stub, node, target)
+        if live:
+            run_dir = Path(env.get("RUN_DIR") or JobConfig.run_dir)
+            return _live(stub, node, target, (run_dir / f"node{node}" / "session").exists())
+        return _ready(stub, node, target)
     finally:
         channel.close()
 
@@ -85,7 +92,10 @@ def _ready(stub: health_pb2_grpc.HealthStub, node: int, target: str) -> tuple[bo
     return status == "SERVING", f"node {node}: the global server at {target} is {status}"
 
 
-def _live(stub: health_pb2_grpc.HealthStub, node: int, target: str) -> tuple[bool, str]:
+def _live(stub: health_pb2_grpc.HealthStub, node: int, target: str,
+          joined: bool = True) -> tuple[bool, str]:
+    if not joined:
+        return True, f"node {node}: not in the job yet (joining is bounded by CONNECT_TIMEOUT)"
     try:
         status = _ask(stub, f"{NODE_SERVICE}{node}")
     except grpc.RpcError as exc:
@@ -96,8 +106,9 @@ def _live(stub: health_pb2_grpc.HealthStub, node: int, target: str) -> tuple[boo
                       f"did not answer ({exc.details()}); the node gives up by itself after "
                       "RECONNECT_TIMEOUT")
     if status == "NOT_SERVING":
-        return False, (f"node {node}: the global server at {target} dropped this node: its "
-                       "heartbeats stopped, so its process or its node loop is stuck")
+        return False, (f"node {node}: the global server at {target} dropped this node and it "
+                       "did not come back within RECONNECT_TIMEOUT: its process or its node "
+                       "loop is stuck")
     if status == "NOT_FOUND":
         return True, f"node {node}: not in the job yet (joining is bounded by CONNECT_TIMEOUT)"
     return True, f"node {node}: in the job, as the global server at {target} says"

@@ -21,6 +21,9 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # a channel whose server was away tries again within 2 s once it is back (gRPC's default
+    # backoff grows to 120 s: a node would sit out a healed partition for minutes)
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 def wire_dtype(wire: str) -> np.dtype:

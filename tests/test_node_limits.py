@@ -101,16 +101,16 @@ def test_the_loop_beat_goes_on_only_within_the_calls_bound():
     beat = LoopBeat(shared, period=0.05)
     try:
         with beat.blocking(limit=0.6):
-            entered = time.time()
+            entered = time.monotonic()
             time.sleep(0.4)
             assert shared.value > entered + 0.25  # beaten for the loop while it blocks
             time.sleep(0.6)  # past the call's own bound: stuck, as far as anyone can tell
             stuck_at = shared.value
             time.sleep(0.3)
-            assert shared.value == stuck_at and time.time() - stuck_at > 0.3
+            assert shared.value == stuck_at and time.monotonic() - stuck_at > 0.3
             with beat.blocking(limit=5.0):  # a nested bounded call beats again...
                 time.sleep(0.2)
-                assert time.time() - shared.value < 0.15
+                assert time.monotonic() - shared.value < 0.15
             left = shared.value  # ...and leaving it restores the outer (expired) bound
             time.sleep(0.2)
             assert shared.value == left
@@ -134,7 +134,7 @@ def test_a_long_round_barrier_keeps_the_nodes_beat(tmp_path):
     seen = {}
 
     def report_round(rid, best, participants):  # the barrier, until its deadline
-        seen["entered"] = time.time()
+        seen["entered"] = time.monotonic()
         server.beat.value = 0.0  # only a beat during the call can set it again
         time.sleep(2.5)
         seen["beat"] = server.beat.value

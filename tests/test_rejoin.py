@@ -36,6 +36,35 @@ def test_a_restarted_node_replaces_its_live_earlier_run():
     assert acq(c, s, 1, now=1.5).grant > 0  # the new run gets credits
 
 
+def test_an_index_held_by_a_silent_earlier_run_is_unavailable_until_it_is_dropped():
+    # a replaced pod (a fresh RUN_DIR: no session to name) joins before NODE_TIMEOUT dropped
+    # its predecessor: not a configuration error; its join is retried until the index frees
+    c = make(l_comm=4, g_comm=4, node_timeout=5)
+    s = join_all(c, 2)
+    with pytest.raises(CoordinatorError, match="already in the job") as e:  # heard just now
+        join(c, 1, now=0.5)
+    assert e.value.code == "FAILED_PRECONDITION"
+    c.heartbeat(0, s[0], now=3.0)
+    with pytest.raises(CoordinatorError, match="still held by an earlier run, silent for 3.0 s") as e:
+        join(c, 1, now=3.0)
+    assert e.value.code == "UNAVAILABLE"
+    c.heartbeat(0, s[0], now=5.5)
+    assert c.tick(now=5.5) == [1]  # dropped...
+    new = join(c, 1, now=5.6)  # ...and the new run joins
+    assert new.session != s[1] and c.nodes[1] is new
+
+
+def test_a_node_that_joins_a_finishing_job_ends_without_failing():
+    from types import SimpleNamespace
+
+    from lsgd import exitcodes
+    from lsgd.local_server.ending import EndingMixin
+    from lsgd.local_server.state import JoinedTooLate
+
+    code, reason = EndingMixin._ended(SimpleNamespace(), JoinedTooLate("the job was finishing"))
+    assert code == exitcodes.OK and reason == "the job was finishing"
+
+
 def test_a_duplicate_index_is_still_refused_without_a_change():
     c = make()
     s = join_all(c, 2)

@@ -512,15 +512,21 @@ def test_lsgd_probe_is_ready_while_the_server_serves_and_not_after(secret_job, t
     assert probe.main({"NODE": "x"}) == 1  # one line, not a traceback
 
 
-def test_lsgd_probe_live_fails_only_for_a_dropped_node_or_a_silent_own_server(secret_job):
+def test_lsgd_probe_live_fails_only_for_a_node_dropped_for_good_or_a_silent_own_server(
+        secret_job, tmp_path):
     # a Kubernetes liveness probe: restart the container only where that can help
     job = secret_job
     port = job.addr.rsplit(":", 1)[1]
-    node1 = {"JOB_COMPLETION_INDEX": "1", "IP_ADDR": "127.0.0.1", "PORT": port}
+    run = tmp_path / "probe-run"
+    node0 = {"NODE": "0", "PORT": port, "RUN_DIR": str(run)}
+    node1 = {"JOB_COMPLETION_INDEX": "1", "IP_ADDR": "127.0.0.1", "PORT": port, "RUN_DIR": str(run)}
     alive, said = probe.check(node1, live=True)  # not joined yet: still starting
     assert alive and "not in the job yet" in said, said
-    job.node(0), job.node(1)
-    for env in ({"NODE": "0", "PORT": port}, node1):
+    for i in (0, 1):  # the nodes join and keep their sessions, as a node does
+        c = job.node(i)
+        (run / f"node{i}").mkdir(parents=True)
+        (run / f"node{i}" / "session").write_text(json.dumps({"session": c.session}))
+    for env in (node0, node1):
         alive, said = probe.check(env, live=True)
         assert alive and "in the job" in said, said
     channel = grpc.insecure_channel(job.addr)
@@ -534,7 +540,13 @@ def test_lsgd_probe_live_fails_only_for_a_dropped_node_or_a_silent_own_server(se
     real_clock = job.servicer.clock
     job.servicer.clock = lambda: real_clock() + 120  # both nodes silent past node_timeout (60 s)
     job.servicer.tick()
-    for env in ({"NODE": "0", "PORT": port}, node1):
+    # dropped, but a node cut off by a partition has RECONNECT_TIMEOUT to come back by itself
+    assert job.servicer.drop_grace == job.config.reconnect_timeout + 10
+    for env in (node0, node1):
+        alive, said = probe.check(env, live=True)
+        assert alive, said
+    job.servicer.clock = lambda: real_clock() + 120 + job.servicer.drop_grace + 1
+    for env in (node0, node1):  # still dropped after that: stuck
         alive, said = probe.check(env, live=True)
         assert not alive and "dropped this node" in said, said
     assert probe.main(node1, live=True) == 1
@@ -542,7 +554,7 @@ def test_lsgd_probe_live_fails_only_for_a_dropped_node_or_a_silent_own_server(se
     free.bind(("127.0.0.1", 0))
     closed = str(free.getsockname()[1])
     free.close()
-    alive, said = probe.check({"NODE": "0", "PORT": closed}, live=True)  # its own server: dead
+    alive, said = probe.check(dict(node0, PORT=closed), live=True)  # its own server: dead
     assert not alive and "its own global server" in said and "did not answer" in said, said
     alive, said = probe.check(dict(node1, PORT=closed), live=True)  # node 0's: not ours to fix
     assert alive and "did not answer" in said, said

@@ -190,7 +190,7 @@ class Coordinator(Membership, JobStop):
         dropped = []
         for node in self.live_nodes:
             if now - node.last_seen > self.node_timeout:
-                node.alive = False
+                node.alive, node.dropped_at = False, now
                 node.spare += node.outstanding  # forfeited, but it may still step on them
                 node.outstanding = 0
                 dropped.append(node.index)

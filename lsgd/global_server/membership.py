@@ -51,6 +51,14 @@ class Membership:
                                   unanswered_seq=unanswered_seq, unanswered_steps=unanswered_steps)
         if old is not None and old.alive and not old.left:
             if not replaces_session or old.session != replaces_session:
+                silent = now - old.last_seen
+                if silent > min(2.0, self.node_timeout / 2):  # its heartbeats stopped: a run
+                    # that died and is not dropped yet; this one joins once it is (the node
+                    # retries UNAVAILABLE until CONNECT_TIMEOUT)
+                    raise CoordinatorError(
+                        "UNAVAILABLE", f"node {index} is still held by an earlier run, silent "
+                        f"for {silent:.1f} s; it is dropped after {self.node_timeout:g} s "
+                        "(NODE_TIMEOUT), then this run joins")
                 raise CoordinatorError("FAILED_PRECONDITION",
                                        f"node {index} is already in the job; each node index runs once")
             if self.round is None or self.round.kind != RoundKind.FINAL:

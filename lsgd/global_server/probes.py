@@ -4,8 +4,9 @@
 the moment the server listens (waiting for nodes included: the server is up), and NOT_SERVING
 once the job has finished or was stopped, and while the server shuts down. It also answers
 ``Check`` for one node, ``lsgd.v1.Node/<index>`` (a liveness probe, ``lsgd probe --live``):
-SERVING while that node is in the job (or has left it), NOT_SERVING once the server dropped it
-for silence (and until it joins again), NOT_FOUND when no node of that index ever joined. A node
+SERVING while that node is in the job (or has left it, or was dropped less than
+``servicer.drop_grace`` ago), NOT_SERVING once it has been dropped for longer without joining
+again, NOT_FOUND when no node of that index ever joined. A node
 beats only while its node loop runs (``Heartbeat``), so a node whose process is up but whose loop
 is stuck is dropped, and its probe fails. Server reflection
 (``grpc.reflection.v1alpha``) lets ``grpcurl`` list and call the services without the proto.

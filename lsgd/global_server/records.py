@@ -73,6 +73,7 @@ class NodeState:
     last_round_seen: int = 0
     alive: bool = True
     left: bool = False
+    dropped_at: float = 0.0  # when the server dropped it for silence (alive is then False)
     consumed: int = 0  # total steps this node reported
     spare: int = 0  # credits no longer outstanding that it may still step on (claims.py)
     last_seq: int = 0  # newest numbered credit request

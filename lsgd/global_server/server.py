@@ -65,7 +65,9 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
                         node_timeout=config.node_timeout, round_timeout=config.round_timeout,
                         join_timeout=config.join_timeout, now=now, eval_every=config.eval_every,
                         checkpoint_every=config.checkpoint_every)
-    return GlobalServicer(coord, ParamStore(rule), config.round_timeout)
+    servicer = GlobalServicer(coord, ParamStore(rule), config.round_timeout)
+    servicer.drop_grace = config.reconnect_timeout + 10.0
+    return servicer
 
 
 def create_server(address: str, servicer: GlobalServicer, security: Security | None = None,

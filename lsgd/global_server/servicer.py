@@ -79,6 +79,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                                  coordinator.started_at, exchange=params.rule.exchange.value)
         self.stats = RpcStats()
         self.health: Callable[[bool], None] | None = None  # set_serving(False) when the job is over
+        self.drop_grace = 130.0  # see node_health (build_servicer: RECONNECT_TIMEOUT + 10 s)
         self._over = False  # the job finished or was stopped (updated on every change)
         self._told_health = False
         self._board_failed = False
@@ -95,11 +96,15 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         return self.coord.state(self.clock()) | {"dump": self.dumps}
 
     def node_health(self, index: int) -> bool | None:
-        """Node ``index`` is in the job or has left it (True), was dropped and has not joined
-        again (False), never joined (None): the liveness probe's answer (``probes.py``)."""
+        """The liveness probe's answer for node ``index`` (``probes.py``): None if it never
+        joined; False once it was dropped and has not joined again within ``drop_grace``
+        seconds (a node cut off by a partition has RECONNECT_TIMEOUT to reattach, then exits
+        by itself: one whose container still runs after that is stuck); True otherwise."""
         with self.cond:
             node = self.coord.nodes.get(index)
-            return None if node is None else (node.alive or node.left)
+            if node is None:
+                return None
+            return node.alive or node.left or self.clock() - node.dropped_at <= self.drop_grace
 
     # ------------------------------------------------------------------ shared
     def tick(self) -> None:

@@ -20,7 +20,7 @@ import grpc
 from .. import exitcodes
 from ..rules.base import Exchange
 from .global_client import GlobalUnreachable, stop_reason_of
-from .state import JoinRefused, NodeError, Report
+from .state import JoinedTooLate, JoinRefused, NodeError, Report
 from .store import SharedMemoryTooSmall
 
 log = logging.getLogger("lsgd.local_server.server")
@@ -77,6 +77,8 @@ class EndingMixin:
             return exitcodes.FAILED, self.global_fate() or str(exc)
         if isinstance(exc, JoinRefused):
             return exitcodes.CONFIG, str(exc)
+        if isinstance(exc, JoinedTooLate):  # the job did finish: nothing failed
+            return exitcodes.OK, str(exc)
         if isinstance(exc, NodeError):
             return exitcodes.FAILED, str(exc)
         return exitcodes.FAILED, f"internal error: {type(exc).__name__}: {exc}"

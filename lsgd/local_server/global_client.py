@@ -406,6 +406,7 @@ class Heartbeat:
         last_ok = time.monotonic()
         while not self._stop.wait(self.interval):
             if self._loop_stuck():
+                last_ok = time.monotonic()  # silence we chose is not the server's
                 continue
             session = self.client.session
             try:

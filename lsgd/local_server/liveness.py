@@ -31,7 +31,8 @@ def stale_after(round_timeout: float, connect_timeout: float) -> float:
 
 
 class LoopBeat:
-    """Writes ``time.time()`` into ``shared.value`` for the node loop."""
+    """Writes ``time.monotonic()`` into ``shared.value`` for the node loop (Linux's monotonic
+    clock is the same in every process of the machine, and no wall-clock jump moves it)."""
 
     def __init__(self, shared: Any, period: float = PERIOD) -> None:
         self.shared, self.period = shared, period
@@ -42,7 +43,7 @@ class LoopBeat:
 
     def beat(self) -> None:
         """The loop is running now."""
-        self.shared.value = time.time()
+        self.shared.value = time.monotonic()
 
     @contextmanager
     def blocking(self, limit: float) -> Iterator[None]:

@@ -55,8 +55,8 @@ from .metrics import MetricsWriter
 from .procs import end_group, start_process, stop_process
 from .progress import Progress
 from .recovery import RecoveryMixin
-from .round_runner import RECOVERABLE, STOP_GRACE, RoundMixin
-from .state import JoinRefused, NodeError, Report, WorkerState
+from .round_runner import RECOVERABLE, SAVE_LIMIT, STOP_GRACE, RoundMixin
+from .state import JoinedTooLate, JoinRefused, NodeError, Report, WorkerState
 from .store import NodeStore, StoreLayout, reclaim_stale
 from .summary import budget_reason, where_to_look
 from .view import NodeView
@@ -82,7 +82,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         self.multi_node = config.num_groups > 1
         self.mp = mp.get_context("spawn")
         self.inbox = Inbox(self.mp)  # one pipe per worker process (inbox.py)
-        self.beat = self.mp.Value("d", time.time(), lock=False)  # workers watch our loop run
+        self.beat = self.mp.Value("d", time.monotonic(), lock=False)  # workers watch our loop run
         self.liveness = LoopBeat(self.beat)  # ... also while it blocks in a bounded call
         self.stopping = False  # the job is over: workers leaving is expected
         self.round_due: CreditAnswer | None = None
@@ -339,7 +339,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
             self._detach(self.heartbeat.trouble)
 
     def _recv(self, timeout: float = POLL) -> object | None:
-        self.beat.value = time.time()
+        self.beat.value = time.monotonic()
         if time.monotonic() >= self.view_due:
             self._tell_view()
         self._check_stopped()
@@ -440,20 +440,26 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
                                     connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
         except grpc.RpcError as exc:
             details = exc.details() or ""
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(FINISHING):
+                raise JoinedTooLate("the job was finishing when this node joined: nothing was "
+                                    "left for it to do") from None
             if (exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
-                    and stop_reason_of(exc) is None and not details.startswith(FINISHING)):
+                    and stop_reason_of(exc) is None):
                 raise JoinRefused(f"the global server refused this node: {details}") from None
             raise
         self._joined(resp.session, resp.counter)
         self.view.on_counter(resp.counter)
         self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
                                    give_up=max(2 * self.cfg.node_timeout, 10.0), view=self.view,
-                                   loop_silent=lambda: time.time() - self.beat.value,
+                                   loop_silent=lambda: time.monotonic() - self.beat.value,
                                    stale_after=stale_after(self.cfg.round_timeout,
                                                            self.cfg.connect_timeout))
         self.heartbeat.start()
         self.last_round_seen = resp.round_id
-        resumed = self._resume() if self.cfg.resume else None
+        resumed = None
+        if self.cfg.resume:
+            with self.liveness.blocking(SAVE_LIMIT):  # reading a big checkpoint takes a while
+                resumed = self._resume()
         start = self._rejoin_point() if resp.counter > 0 and resumed is None else None
         for w in self._live():
             if start is not None:

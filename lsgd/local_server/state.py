@@ -10,6 +10,10 @@ class NodeError(RuntimeError):
     """The node cannot go on; the message says why."""
 
 
+class JoinedTooLate(NodeError):
+    """The job was finishing when this node joined: there is nothing left for it to do."""
+
+
 class JoinRefused(NodeError):
     """The global server refused this node's settings or place in the job (a different job id,
     algorithm, NUM_GROUPS or WORKERS, an index out of range or taken): a configuration error."""

@@ -65,7 +65,7 @@ class WorkerContext:
     inbox: Any  # to the local server: ``put(msg)`` (a pipe of this process's own, inbox.py)
     replies: Any  # this worker's reply queue
     parent_pid: int
-    beat: Any  # shared double: the local server's loop writes time.time() into it as it runs
+    beat: Any  # shared double: the local server's loop writes time.monotonic() into it as it runs
     evaluator: bool = False  # the node's evaluator: builds the model, never trains
     restarts: int = 0  # how many times this worker's process was respawned before this one
 
@@ -310,7 +310,7 @@ class Worker:
             except queue.Empty:
                 if os.getppid() != self._ctx.parent_pid:
                     raise LocalServerGone("the local server exited") from None
-                silent = time.time() - self._ctx.beat.value
+                silent = time.monotonic() - self._ctx.beat.value
                 if silent > self._stale_after:
                     raise LocalServerGone(
                         f"the local server has not run its loop for {silent:.0f} s") from None
