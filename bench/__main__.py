@@ -2,7 +2,7 @@
 
 Targets (issue 3): 1 control plane, 2 global server scale, 3 parameter plane, 4 pulls,
 5 training throughput, 6 time to accuracy; (issue 11) 7 rule exchange; (issue 12) 8 mixed node
-speeds, 9 the Platoon comparison. Each prints its measured value, the baseline
+speeds, 9 the Platoon comparison; (issue 15) 10 the parameter plane (root: network namespaces). Each prints its measured value, the baseline
 measured in the same run, and their ratio. Results go to ``bench/results.json`` and to the
 results block of ``docs/benchmarks.md`` (the rest of that file is written by hand).
 """
@@ -29,6 +29,7 @@ BENCHES = {
     "exchange": ("bench.exchange", "run"),
     "hetero": ("bench.hetero", "run"),
     "platoon": ("bench.platoon", "run"),
+    "plane": ("bench.plane", "run"),
 }
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 

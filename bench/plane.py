@@ -1,0 +1,168 @@
+"""Issue 15, parameter plane: a broadcast through rate-limited links, star against chain.
+
+Each node gets a host of its own, and a link of its own: a network namespace joined to a
+*switch* namespace (a Linux bridge) by a veth pair, both ends shaped by ``tc tbf`` at ``RATE``.
+A model of ``SIZE`` bytes (float32) goes from node 0 to every other node over lsgd's data
+connection (``lsgd/plane/wire.py``: raw TCP, MAC'd chunks, the job secret), two ways, in the same
+run:
+
+- **star**: node 0 sends to each of the others at once, as the global server serves the leader
+  today: its one link carries ``N - 1`` copies;
+- **chain**: node 0 → 1 → 2 → …, each node forwarding every chunk as it arrives
+  (``lsgd/plane/route.py``'s plan with fan-out 1).
+
+The baseline is one transfer (node 0 → node 1) on the same links. The target (issue 15): the
+chain within 1.5x of one transfer for N = 4, 8, 16; the star grows with N. This is the raw data
+path, measured before it carries lsgd's rounds (docs/design-scale.md, build order step 3): it
+calibrates what this host can do. Needs root and iproute2; ``--quick``: N = 4 and 8, 10 MB.
+
+    python -m bench.plane [--quick] [--rate 100mbit] [--size-mb 25] [--nodes 4 8 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from .common import REPO, Result
+
+TARGET = "10. parameter plane (issue 15)"
+SECRET = "bench-plane-secret-0123456789abcdef"
+PORT = 47000
+CHUNK = 1 << 16  # float32 elements per chunk: 256 KiB
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=20)
+
+
+class Links:
+    """``n`` node namespaces on a bridge, every link shaped to ``rate`` both ways."""
+
+    def __init__(self, n: int, rate: str) -> None:
+        self.tag = uuid.uuid4().hex[:5]
+        self.switch = f"lp{self.tag}sw"
+        self.nodes = [f"lp{self.tag}n{i}" for i in range(n)]
+        self.ips = [f"10.77.{int(self.tag[:2], 16) % 200}.{i + 1}" for i in range(n)]
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for i, ns in enumerate(self.nodes):
+                a, b = f"v{self.tag}{i}a", f"v{self.tag}{i}b"
+                _ip("netns", "add", ns)
+                _ip("link", "add", a, "type", "veth", "peer", "name", b)
+                _ip("link", "set", a, "netns", ns)
+                _ip("link", "set", b, "netns", self.switch)
+                _ip("-n", ns, "addr", "add", f"{self.ips[i]}/24", "dev", a)
+                _ip("-n", ns, "link", "set", a, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                _ip("-n", self.switch, "link", "set", b, "master", "br0")
+                _ip("-n", self.switch, "link", "set", b, "up")
+                for where, dev in ((ns, a), (self.switch, b)):  # the node's link, both ways
+                    subprocess.run(["ip", "netns", "exec", where, "tc", "qdisc", "replace", "dev",
+                                    dev, "root", "tbf", "rate", rate, "burst", "256kb",
+                                    "latency", "100ms"], check=True, capture_output=True,
+                                   timeout=20)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for ns in self.nodes + [self.switch]:
+            _ip("netns", "del", ns, check=False)
+
+
+def _node(links: Links, i: int, spec: dict) -> subprocess.Popen:
+    """``bench.plane_node`` in node ``i``'s namespace."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen(["ip", "netns", "exec", links.nodes[i], sys.executable, "-m",
+                             "bench.plane_node", json.dumps(spec)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def transfer(links: Links, count: int, routes: dict[int, list[int]], timeout: float) -> float:
+    """Send ``count`` elements from node 0 along ``routes`` (node -> the nodes it sends to);
+    seconds from the source's start to the last receiver's end."""
+    members = sorted({0} | {d for ds in routes.values() for d in ds})
+    parent = {d: s for s, ds in routes.items() for d in ds}
+    procs = {}
+    start_at = time.time() + 1.5  # every receiver listens by then
+    for i in members:
+        spec = {"node": i, "count": count, "chunk": CHUNK, "secret": SECRET, "port": PORT,
+                "listen": links.ips[i] if i in parent else None,
+                "sendto": [[d, links.ips[d]] for d in routes.get(i, [])],
+                "from": parent.get(i), "start_at": start_at, "timeout": timeout}
+        procs[i] = _node(links, i, spec)
+    out = {}
+    for i, p in procs.items():
+        try:
+            stdout, stderr = p.communicate(timeout=timeout + 10)
+        except subprocess.TimeoutExpired:
+            for q in procs.values():
+                q.kill()
+            raise RuntimeError(f"node {i} did not finish within {timeout + 10:g} s")
+        if p.returncode != 0:
+            raise RuntimeError(f"node {i} failed: {stderr.strip()[-800:]}")
+        out[i] = json.loads(stdout.strip().splitlines()[-1])
+    return max(r["done"] for r in out.values()) - start_at
+
+
+def measure(quick: bool, rate: str, size_mb: float, counts: list[int]) -> dict:
+    count = int(size_mb * 1e6) // 4
+    timeout = 600.0
+    rows = []
+    for n in counts:
+        links = Links(n, rate)
+        try:
+            one = transfer(links, count, {0: [1]}, timeout)
+            star = transfer(links, count, {0: list(range(1, n))}, timeout)
+            chain = transfer(links, count, {i: [i + 1] for i in range(n - 1)}, timeout)
+        finally:
+            links.close()
+        rows.append({"nodes": n, "one_s": one, "star_s": star, "chain_s": chain})
+        print(f"  {n} nodes: one transfer {one:.2f} s, star {star:.2f} s ({star / one:.2f}x), "
+              f"chain {chain:.2f} s ({chain / one:.2f}x)", flush=True)
+    return {"rate": rate, "size_mb": size_mb, "chunk_bytes": CHUNK * 4, "rows": rows}
+
+
+def run(quick: bool) -> list[Result]:
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        raise RuntimeError("bench.plane needs root and iproute2 (ip, tc)")
+    m = measure(quick, "100mbit", 10.0 if quick else 25.0, [4, 8] if quick else [4, 8, 16])
+    out = []
+    for r in m["rows"]:
+        for way in ("chain", "star"):
+            ratio = r[f"{way}_s"] / r["one_s"]
+            out.append(Result(
+                TARGET, f"{way} broadcast of {m['size_mb']:g} MB to {r['nodes'] - 1} nodes, "
+                f"{m['rate']} links (raw data connection)", r[f"{way}_s"], "s",
+                baseline=r["one_s"], baseline_name="one transfer on the same links",
+                ratio=ratio, ratio_note="value / baseline",
+                goal="<= 1.5x" if way == "chain" else "", met=(ratio <= 1.5) if way == "chain" else None,
+                extra=r | {"chunk_bytes": m["chunk_bytes"]}))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.plane", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--rate", default="100mbit")
+    p.add_argument("--size-mb", type=float, default=None)
+    p.add_argument("--nodes", type=int, nargs="+", default=None)
+    a = p.parse_args(argv)
+    size = a.size_mb or (10.0 if a.quick else 25.0)
+    counts = a.nodes or ([4, 8] if a.quick else [4, 8, 16])
+    print(json.dumps(measure(a.quick, a.rate, size, counts), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
