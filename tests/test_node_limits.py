@@ -189,3 +189,40 @@ def test_the_heartbeat_stops_while_the_node_loop_is_stuck_and_goes_on_after():
         assert not hb.loop_stuck and client.beats >= stopped_at + 5
     finally:
         hb.stop()
+
+
+def test_semaphores_of_a_node_killed_outright_are_removed_by_its_next_run(tmp_path):
+    # SIGKILL of a node's whole process group takes Python's resource tracker with it, which
+    # would have unlinked the queues' named semaphores (/dev/shm/sem.mp-*)
+    import signal
+    import time
+
+    from lsgd.local_server.store import reclaim_semaphores
+
+    script = textwrap.dedent(f"""
+        import multiprocessing as mp, sys, time
+        from pathlib import Path
+        from lsgd.local_server.store import remember_semaphores
+        ctx = mp.get_context("spawn")
+        queues = [ctx.Queue() for _ in range(2)]
+        for q in queues:
+            remember_semaphores(Path({str(tmp_path)!r}), q)
+        print("ready", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        names = (tmp_path / "semaphores").read_text().split()
+        assert len(names) == 6 and all(Path(f"/dev/shm/sem.{n}").exists() for n in names)
+        assert reclaim_semaphores(tmp_path) == []  # still in use: left alone
+        (tmp_path / "semaphores").write_text("".join(f"{n}\n" for n in names))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+    time.sleep(0.2)
+    assert all(Path(f"/dev/shm/sem.{n}").exists() for n in names)  # left behind...
+    assert sorted(reclaim_semaphores(tmp_path)) == sorted(f"sem.{n}" for n in names)  # ...removed
+    assert not any(Path(f"/dev/shm/sem.{n}").exists() for n in names)
+    assert not (tmp_path / "semaphores").exists()

@@ -57,7 +57,8 @@ from .progress import Progress
 from .recovery import RecoveryMixin
 from .round_runner import RECOVERABLE, SAVE_LIMIT, STOP_GRACE, RoundMixin
 from .state import JoinedTooLate, JoinRefused, NodeError, Report, WorkerState
-from .store import NodeStore, StoreLayout, reclaim_stale
+from .store import (NodeStore, StoreLayout, reclaim_semaphores, reclaim_stale,
+                    remember_semaphores)
 from .summary import budget_reason, where_to_look
 from .view import NodeView
 
@@ -201,6 +202,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
                 time.sleep(min(0.5, max(0.0, end - time.monotonic())))
 
     def _start_workers(self) -> None:
+        reclaim_semaphores(self.dir)  # of a run of this node killed outright, before ours exist
         for i in range(self.cfg.workers):
             proc, replies = self._spawn(i, evaluator=False, name=f"worker-{self.cfg.worker_id(i)}", restarts=0)
             self.workers.append(WorkerState(i, self.cfg.worker_id(i), proc, replies, time.monotonic()))
@@ -210,6 +212,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
     def _spawn(self, local: int, evaluator: bool, name: str,
                restarts: int = 0) -> tuple[mp.process.BaseProcess, object]:
         replies = self.mp.Queue()
+        remember_semaphores(self.dir, replies)
         sender = self.inbox.open()
         ctx = WorkerContext(self.cfg, local, sender, replies, os.getpid(), self.beat, evaluator,
                             restarts)

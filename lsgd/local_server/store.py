@@ -127,6 +127,65 @@ def reclaim_stale(job_id: str, node_index: int) -> list[str]:
     return sorted(names)
 
 
+SEMAPHORES = "semaphores"  # in RUN_DIR/node<i>: the named semaphores of this node's queues
+
+
+def _shm_inodes_mapped() -> set[int]:
+    """Inodes of /dev/shm files some live process maps (Linux /proc/<pid>/maps). By inode: glibc
+    maps a named semaphore under the temporary name it was created with, not its final one."""
+    inodes: set[int] = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        for line in text.splitlines():
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(str(SHM_DIR)):
+                inodes.add(int(fields[4]))
+    return inodes
+
+
+def remember_semaphores(node_dir: Path, queue: object) -> None:
+    """Note the named semaphores (``/dev/shm/sem.mp-*``) of a multiprocessing queue the node
+    made, so that a later run can remove them if this one is killed outright (SIGKILL of its
+    process group takes Python's resource tracker too, which would have unlinked them)."""
+    names = [getattr(getattr(queue, attr, None), "_semlock", None) for attr in
+             ("_rlock", "_wlock", "_sem")]
+    lines = [n.name.lstrip("/") for n in names if n is not None and getattr(n, "name", None)]
+    if lines:
+        try:
+            with open(node_dir / SEMAPHORES, "a") as f:
+                f.write("".join(f"{line}\n" for line in lines))
+        except OSError as exc:  # only a later cleanup is lost
+            log.debug("cannot note the queue's semaphores: %s", exc)
+
+
+def reclaim_semaphores(node_dir: Path) -> list[str]:
+    """Unlink the named semaphores an earlier run of this node noted (``remember_semaphores``)
+    that no live process maps; returns their names. The file then starts again."""
+    path = node_dir / SEMAPHORES
+    try:
+        names = {n for n in path.read_text().split() if n.startswith("mp-") and "/" not in n}
+    except OSError:
+        return []
+    mapped = _shm_inodes_mapped()
+    removed = []
+    for n in sorted(names):
+        f = SHM_DIR / f"sem.{n}"
+        try:
+            if f.stat().st_ino in mapped:  # still in use (this node started twice)
+                continue
+            f.unlink()
+            removed.append(f.name)
+        except OSError:  # already gone (the run ended cleanly)
+            pass
+    if removed:
+        log.warning("removed %d semaphore(s) left by an earlier run of this node", len(removed))
+    path.unlink(missing_ok=True)
+    return removed
+
+
 class NodeStore:
     """Numpy views over the node segment."""
 
