@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -226,17 +227,24 @@ def main(argv: list[str] | None = None) -> int:
         a.doc = Path(a.results).with_suffix(".md") if a.quick else DOC
     code = 0
     if not a.report:
-        with open(f"{a.results}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                print(f"waiting for the other study on {a.results} to finish ...", flush=True)
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            study = Study(a)
-            try:
-                code = study.main()
-            finally:
-                study.close()
+        def terminated(*_: object) -> None:  # as Ctrl-C: the running jobs are stopped first
+            raise KeyboardInterrupt("terminated")
+
+        before = signal.signal(signal.SIGTERM, terminated)
+        try:
+            with open(f"{a.results}.lock", "w") as lock:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    print(f"waiting for the other study on {a.results} to finish ...", flush=True)
+                    fcntl.flock(lock, fcntl.LOCK_EX)
+                study = Study(a)
+                try:
+                    code = study.main()
+                finally:
+                    study.close()
+        finally:
+            signal.signal(signal.SIGTERM, before)
     results = load(Path(a.results))
     budgets = grid.QUICK if a.quick else grid.BUDGETS
     written = report.write(results, budgets, Path(a.doc), command="python -m bench.study"
