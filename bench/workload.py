@@ -25,10 +25,13 @@ def make_data(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
 class NumpyMLP:
     """ReLU MLP with softmax cross-entropy and Nesterov momentum, all float32 numpy."""
 
-    def __init__(self, seed: int = 0, lr: float = 0.05, momentum: float = 0.9) -> None:
+    def __init__(self, seed: int = 0, lr: float = 0.05, momentum: float = 0.9,
+                 sizes: tuple[int, ...] = SIZES, grad_norm: bool = False) -> None:
         rng = np.random.default_rng(seed)
         self.params: list[np.ndarray] = []
-        for a, b in zip(SIZES[:-1], SIZES[1:]):
+        self.track_norm = grad_norm  # keep the step's gradient norm in ``grad_norm`` (a pass more)
+        self.grad_norm = 0.0
+        for a, b in zip(sizes[:-1], sizes[1:]):
             self.params.append(rng.normal(0, np.sqrt(2.0 / a), (a, b)).astype(np.float32))
             self.params.append(np.zeros(b, np.float32))
         self.vel = [np.zeros_like(p) for p in self.params]
@@ -57,16 +60,20 @@ class NumpyMLP:
         g = p
         g[np.arange(n), y] -= 1
         g /= n
+        sq = 0.0
         for i in range(len(self.params) - 2, -1, -2):
             gw, gb = acts[i // 2].T @ g, g.sum(axis=0)
             if i:
                 g = g @ self.params[i].T
                 g *= acts[i // 2] > 0
             for j, grad in ((i, gw), (i + 1, gb)):
+                if self.track_norm:
+                    sq += float(np.vdot(grad, grad))
                 v = self.vel[j]
                 v *= self.momentum
                 v -= self.lr * grad
                 self.params[j] += self.momentum * v - self.lr * grad
+        self.grad_norm = float(np.sqrt(sq))
         return loss
 
     def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:

@@ -144,43 +144,14 @@ def cnn_task(seed: int, lr: float, momentum: float) -> Task:
 
 
 def mlp_task(seed: int, lr: float, momentum: float) -> Task:
-    sizes = (64, 128, 128, 10)
-    rng = np.random.default_rng(seed)
-    params: list[np.ndarray] = []
-    for a, b in zip(sizes[:-1], sizes[1:]):
-        params.append(rng.normal(0, np.sqrt(2.0 / a), (a, b)).astype(np.float32))
-        params.append(np.zeros(b, np.float32))
-    vel = [np.zeros_like(p) for p in params]
-    lr32, mom = np.float32(lr), np.float32(momentum)
+    from ..workload import NumpyMLP  # the benchmarks' MLP, smaller, with its gradient norm
 
-    def forward(x: np.ndarray) -> list[np.ndarray]:
-        acts = [x]
-        for i in range(0, len(params), 2):
-            z = acts[-1] @ params[i] + params[i + 1]
-            acts.append(np.maximum(z, 0) if i + 2 < len(params) else z)
-        return acts
+    model = NumpyMLP(seed, lr, momentum, sizes=(64, 128, 128, 10), grad_norm=True)
+    params = model.params
 
     def step(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
-        acts = forward(x)
-        logits = acts[-1] - acts[-1].max(axis=1, keepdims=True)
-        p = np.exp(logits)
-        p /= p.sum(axis=1, keepdims=True)
-        n = len(y)
-        loss = float(-np.mean(np.log(p[np.arange(n), y] + 1e-12)))
-        g = p
-        g[np.arange(n), y] -= 1
-        g /= n
-        sq = 0.0
-        for i in range(len(params) - 2, -1, -2):
-            gw, gb = acts[i // 2].T @ g, g.sum(axis=0)
-            if i:
-                g = (g @ params[i].T) * (acts[i // 2] > 0)
-            for j, grad in ((i, gw), (i + 1, gb)):
-                sq += float(np.vdot(grad, grad))
-                vel[j] *= mom
-                vel[j] -= lr32 * grad
-                params[j] += mom * vel[j] - lr32 * grad  # Nesterov
-        return loss, float(np.sqrt(sq))
+        loss = model.step(x, y)
+        return loss, model.grad_norm
 
     def flat() -> np.ndarray:
         return np.concatenate([p.ravel() for p in params])
@@ -191,10 +162,7 @@ def mlp_task(seed: int, lr: float, momentum: float) -> Task:
             p[...] = vec[i:i + p.size].reshape(p.shape)
             i += p.size
 
-    def accuracy(x: np.ndarray, y: np.ndarray) -> float:
-        return float(np.mean(np.argmax(forward(x)[-1], axis=1) == y))
-
-    return Task(params, step, flat, load, accuracy)
+    return Task(params, step, flat, load, model.accuracy)
 
 
 def task(name: str, seed: int, lr: float, momentum: float) -> Task:
