@@ -73,6 +73,11 @@ class JobConfig:
                          "after every this many iterations of the job (0: at the end only)")
     wire: str = _f("float32", "parameter encoding between nodes and the global server: float32 | "
                    "bfloat16 (half the bytes, ~3 significant digits; needs lsgd[bf16])")
+    plane: str = _f("star", "how a global round's leader reaches the nodes: star (each node "
+                    "downloads it from the global server) | chain (node to node, each forwarding "
+                    "as it receives: the round time stops growing with the nodes; LSGD)")
+    data_host: str | None = _f(None, "PLANE=chain: the IP address other nodes reach this node's "
+                               "data listener at (default: the one it reaches node 0 from)")
     secret_file: str | None = _f(None, "file holding the job secret (or set LSGD_SECRET); needed "
                                  "when node 0 listens beyond loopback")
     tls_ca: str | None = _f(None, "CA certificate that signed node 0's certificate: TLS on every node")
@@ -170,6 +175,7 @@ class JobConfig:
             except ImportError:
                 raise ConfigError("wire bfloat16 needs the ml_dtypes package: "
                                   "pip install 'lsgd[bf16]'") from None
+        self._validate_plane(need)
         if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
             raise ConfigError("tensorboard (TENSORBOARD=1) needs the tensorboardX package: "
                               "pip install 'lsgd[tensorboard]'")
@@ -196,6 +202,30 @@ class JobConfig:
                      "state_every", "reconnect_timeout"):
             v = getattr(self, name)
             need(v > 0, f"{name} must be > 0 seconds, got {v}")
+
+    def _validate_plane(self, need: Any) -> None:
+        from .rules.base import Exchange
+
+        need(self.plane in ("star", "chain"),
+             f"plane '{self.plane}' is unknown; choose star or chain")
+        if self.plane != "chain":
+            return
+        need(self.wire == "float32", "PLANE=chain forwards float32 only for now; set WIRE=float32")
+        need(self.tls_ca is None, "PLANE=chain's node-to-node connections are authenticated by "
+             "the job secret but not encrypted: with TLS_CA set, use PLANE=star")
+        try:
+            leader = self.make_rule().exchange == Exchange.LEADER
+        except Exception:  # noqa: BLE001 - the rule's own check reports it below
+            leader = True
+        need(leader, f"PLANE=chain carries a leader from node to node; algorithm "
+             f"'{self.algorithm}' exchanges no leader: set PLANE=star")
+        if self.data_host is not None:
+            import ipaddress
+
+            try:
+                ipaddress.ip_address(self.data_host)
+            except ValueError:
+                raise ConfigError(f"data_host '{self.data_host}' is not an IP address") from None
 
     def _validate_security(self, need: Any) -> None:
         from .security import SecurityError, is_loopback, read_secret
@@ -240,6 +270,21 @@ class JobConfig:
         if self.status_port is None:
             return 0 if self.port == 0 else (self.port + 1 if self.port < 65535 else 0)
         return self.status_port
+
+    def data_listen_host(self) -> str:
+        """PLANE=chain: the address this node's data listener binds and announces:
+        ``data_host``, else the local address that reaches node 0 (loopback for a local job)."""
+        if self.data_host:
+            return self.data_host
+        from .security import is_loopback
+
+        if is_loopback(self.ip_addr):
+            return "127.0.0.1"
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((self.ip_addr, self.port or 9))  # no packet is sent
+            return s.getsockname()[0]
 
     @property
     def total_workers(self) -> int:

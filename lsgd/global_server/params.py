@@ -119,12 +119,15 @@ class ParamStore(DeltaMixin, SavedParams):
 
     # ------------------------------------------------------------------ exchange
     def begin(self, round_id: int, kind: RoundKind, leader_node: int | None,
-              reports: dict[int, int], timeout: float, average: bool = False) -> None:
+              reports: dict[int, int], timeout: float, average: bool = False,
+              leader_uploader: int | None = None) -> None:
         """Start the exchange of a closed global/final round.
 
         Args:
             reports: node index -> participants, for every node that reported in time.
             average: every node uploads its sum, to be averaged (a round that evaluates).
+            leader_uploader: the node that uploads the leader when not its own node (PLANE=chain:
+                node 0, which got it along the route, beside the server).
         """
         average = average or kind == RoundKind.FINAL
         expected: set[tuple[int, str]] = set()
@@ -132,7 +135,7 @@ class ParamStore(DeltaMixin, SavedParams):
         # home (except when it is evaluated: at the end, and in rounds that evaluate).
         if leader_node is not None and (average or (
                 self.rule.exchange == ExchangeKind.LEADER and len(reports) > 1)):
-            expected.add((leader_node, LEADER))
+            expected.add((leader_node if leader_uploader is None else leader_uploader, LEADER))
         if average or self.rule.exchange == ExchangeKind.CENTER:
             expected |= {(n, SUM) for n, p in reports.items() if p > 0}
         with self._cond:

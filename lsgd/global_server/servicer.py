@@ -19,10 +19,12 @@ import grpc
 from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
-from ..rules.base import RoundKind
+from ..plane.messages import to_pb
+from ..rules.base import Exchange as ExchangeKind, RoundKind
 from .coordinator import Coordinator, CoordinatorError
 from .buffers import DELTA, MAIL
 from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, ParamStore, _wire_dtype
+from .routes import Routes
 from .rpcstats import RpcStats
 from .status import StatusBoard
 
@@ -89,6 +91,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self.journal: Callable[[dict, bool], None] | None = None
         self._journaled: tuple = (None, None)
         self.dumps = 0  # numbers every state taken: a restart goes on from the newest
+        self.routes = Routes()  # PLANE=chain: data addresses and the leader's route (routes.py)
 
     def state_dump(self) -> dict:
         """The coordinator's state, numbered (lock held)."""
@@ -129,9 +132,13 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         if rnd.checkpoint:
             self.checkpoint_due = (rnd.id, self.coord.state(self.clock()))
             self.checkpoint_since = self.clock()
+        route = None
+        if rnd.kind == RoundKind.GLOBAL and self.params.rule.exchange == ExchangeKind.LEADER:
+            route = self.routes.plan(rnd.id, list(rnd.reports), rnd.leader_node)
         self.params.begin(rnd.id, rnd.kind, rnd.leader_node,
                           {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout,
-                          average=rnd.evaluate)
+                          average=rnd.evaluate,
+                          leader_uploader=route.feeds_server if route is not None else None)
 
     def _change(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the state (lock held); wake the long-polls only if it changed something.
@@ -204,6 +211,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 raise CoordinatorError("UNAVAILABLE", "waiting for node 0 to join (it decides "
                                        "the model size)")
             buffers = self.params.reserve(request.param_count)  # refused before any change
+            self.routes.note_join(request.node.node_index, request.data_address, context.peer())
             node = self.coord.join(
                 job_id=request.node.job_id, index=request.node.node_index,
                 workers=request.num_workers, algorithm=request.algorithm,
@@ -213,6 +221,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 unanswered_seq=request.unanswered_seq, unanswered_steps=request.unanswered_steps,
                 replaces_session=request.replaces_session)
             self.params.install(request.param_count, buffers)
+            self.routes.joined(node.index, request.data_address)
             # Every node offers its initial parameters until one upload has succeeded.
             return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,
                                    counter=self.coord.done, epoch=self.epoch,
@@ -299,6 +308,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                         self._change(lambda: self.coord.tick(self.clock()))
                     out = self.coord.outcome(node.node_index, request.round_id)
                 stopped = self.coord.stopped_for(node.node_index)
+                route = self.routes.for_node(node.node_index, request.round_id)
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)
         if not out.ready:
@@ -311,7 +321,18 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             resp.leader.worker_id = out.leader.worker_id
             resp.leader.loss = out.leader.loss
             resp.leader_node = out.leader_node
+        if route is not None and not out.missed:
+            resp.route.CopyFrom(to_pb(route))
         return resp
+
+    def Bypass(self, request: pb.BypassRequest, context: grpc.ServicerContext) -> pb.DataRoute:
+        def bypass() -> pb.DataRoute:
+            self._check(request.node)
+            self.coord._node(request.node.node_index, request.node.session, self.clock())
+            return to_pb(self.routes.bypass(request.node.node_index, request.round_id,
+                                            request.epoch, request.stalled, request.why))
+
+        return self._call(context, bypass)
 
     def PushParams(self, request_iterator: Iterator[pb.PushParamsRequest],
                    context: grpc.ServicerContext) -> pb.PushParamsResponse:

@@ -76,6 +76,7 @@ class RoundAnswer:
     nodes: tuple[int, ...]
     evaluate: bool = False
     checkpoint: bool = False
+    route: "pb.DataRoute | None" = None  # PLANE=chain: the leader's route (no members: none)
 
 
 class GlobalClient:
@@ -91,6 +92,7 @@ class GlobalClient:
         self._seq = 0  # credit requests (and reattaching joins) numbered per session
         self._join_seq = 0  # the number of a reattach not answered yet
         self.stopped = ""  # non-empty once an answer said the job was stopped (the reason)
+        self.data_address = ""  # PLANE=chain: this node's data listener, told at every join
         security = security or Security()
         self._md = security.metadata  # none: the channel signs every call with the job secret
         self._channel = security.channel(address, CHANNEL_OPTIONS)
@@ -123,7 +125,7 @@ class GlobalClient:
                              resume_session=self.session if resume else 0, held_credits=held,
                              unreported=unreported, seq=self._join_seq if resume else 0,
                              unanswered_seq=unanswered[0], unanswered_steps=unanswered[1],
-                             replaces_session=replaces)
+                             replaces_session=replaces, data_address=self.data_address)
         end = time.monotonic() + connect_timeout
         delay = 0.1
         while True:
@@ -191,7 +193,14 @@ class GlobalClient:
         self.stopped = self.stopped or resp.stopped
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
         return RoundAnswer(resp.missed, leader, resp.leader_node if resp.has_leader else None,
-                           resp.participants, tuple(resp.nodes), resp.evaluate, resp.checkpoint)
+                           resp.participants, tuple(resp.nodes), resp.evaluate, resp.checkpoint,
+                           resp.route if resp.route.members else None)
+
+    def bypass(self, round_id: int, epoch: int, stalled: int, why: str) -> pb.DataRoute:
+        """PLANE=chain: this node could not send the leader to ``stalled``; the route without it."""
+        req = pb.BypassRequest(node=self._node(), round_id=round_id, epoch=epoch, stalled=stalled,
+                               why=why.encode("ascii", "replace").decode()[:200])
+        return self._stub.Bypass(req, timeout=RPC_TIMEOUT, metadata=self._md)
 
     def leave(self, consumed: int, late: int, stop_job: str = "",
               timeout: float = RPC_TIMEOUT) -> int:

@@ -79,6 +79,8 @@ class RoundMixin:
         evaluate = exchanged and answer.evaluate
         ckpt = exchanged and answer.checkpoint
         global_leader, upload, have_leader, source = None, False, False, None
+        route = self._route(rid, answer)  # PLANE=chain, this node on the leader's route (chain.py)
+        staged = None  # the leader as the route carries it, when this node has it whole
         if kind == RoundKind.GLOBAL and answer and answer.leader and (
                 self.rule.exchange == Exchange.LEADER or evaluate):
             lead = answer.leader.worker_id
@@ -88,10 +90,16 @@ class RoundMixin:
                     source, have_leader = GLOBAL_LEADER, True
                 else:  # the same vector, copied from the same slot this round, if it was
                     source = LOCAL_LEADER if local_lead == lead else None
+                if route is not None:
+                    staged = self._send_down_route(rid, self.store.slot(local_of[lead]))
                 # see ParamStore.begin: which leader uploads the server expects
                 upload = (evaluate or len(answer.nodes) > 1) and source is not None
+            elif route is not None:
+                have_leader, staged = self._leader_from_route(rid)
             elif self.rule.exchange == Exchange.LEADER and self._free(GLOBAL_LEADER, rid):
                 have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+            if route is not None:  # on a route, one member uploads the leader: see routes.py
+                upload = route.feeds_server == self.cfg.node_index and staged is not None
             if self.rule.exchange == Exchange.LEADER and have_leader:
                 global_leader = lead
         if evaluate and not center and joins:  # after the leader download, which stages in SUM
@@ -101,7 +109,7 @@ class RoundMixin:
         fresh_center = False
         if after and exchanged and joins:  # the new center first: the pulls go toward it
             if upload:  # an evaluation round's exchange settles only with the leader in
-                self._push(source, GLOBAL_LEADER, rid)
+                self._push(source, GLOBAL_LEADER, rid, vec=staged)
                 upload = False
             if self._push(SUM, SUM, rid, summands=len(joins), weight=weight) and self._free(CENTER, rid):
                 fresh_center = self._pull(CENTER, CENTER, rid)
@@ -114,8 +122,10 @@ class RoundMixin:
             self.workers[i].reading = frozenset(name for name, _ in pulls)
             self._send(self.workers[i], m.Pull(rid, pulls, True, averaged, checkpoint=ckpt))
         resets = self._reset_sick(rid, kind, sick, local_lead is not None)
+        if route is not None and staged is not None and route.route.root == self.cfg.node_index:
+            self._finish_send(rid)  # down the route, while the workers pull
         if upload:
-            self._push(source, GLOBAL_LEADER, rid)
+            self._push(source, GLOBAL_LEADER, rid, vec=staged)
         if (center or evaluate) and not after and joins and exchanged:
             self._push(SUM, SUM, rid, summands=len(joins), weight=weight)
         dones = self._collect_dones(rid, set(joins) | set(sick))
@@ -262,13 +272,14 @@ class RoundMixin:
                                  "round %d: this node reported too late; skipping its exchange", rid)
         return answer
 
-    def _push(self, name: str, kind: str, rid: int, summands: int = 0,
-              weight: float = 0.0) -> bool:
+    def _push(self, name: str | None, kind: str, rid: int, summands: int = 0,
+              weight: float = 0.0, vec: np.ndarray | None = None) -> bool:
+        """Upload buffer ``name`` (or ``vec`` when given) as ``kind``."""
         assert self.store is not None
         try:
             with self._network_call():
-                self.client.push(kind, self.store.buffer(name), rid, summands, wire=self.cfg.wire,
-                                 weight=weight)
+                self.client.push(kind, self.store.buffer(name) if vec is None else vec, rid,
+                                 summands, wire=self.cfg.wire, weight=weight)
             return True
         except grpc.RpcError as exc:
             log.warning("round %d: upload of %s failed: %s", rid, kind, exc.details())

@@ -44,6 +44,7 @@ from . import messages as m
 from . import tensorboard
 from .async_node import AsyncNode, buffer_names
 from .async_rounds import AsyncMixin
+from .chain import ChainMixin
 from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
 from ..global_server.membership import FINISHING
@@ -71,7 +72,8 @@ IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is w
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
 
 
-class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, EndingMixin):
+class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryMixin,
+                  EndingMixin):
     """Runs one node of a job. ``run()`` returns the process exit code."""
 
     def __init__(self, config: JobConfig, address: str, log_level: int = logging.INFO,
@@ -90,6 +92,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         self.last_acquire = time.monotonic()
         self.workers: list[WorkerState] = []
         self.store: NodeStore | None = None
+        self.security = security
         self.client = GlobalClient(address, config.job_id, config.node_index, config.round_timeout,
                                    security)
         self.heartbeat: Heartbeat | None = None
@@ -231,6 +234,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         for w in procs:
             if w.proc.is_alive():
                 self._send(w, m.Stop("node shutting down"))
+        self._stop_plane()
         if self.async_node is not None:  # its thread uses the segment: stop it first
             self.async_node.stop()
             stats = self.async_node.stats()
@@ -435,6 +439,7 @@ class LocalServer(RoundMixin, AsyncMixin, EvaluationMixin, RecoveryMixin, Ending
         reclaim_stale(self.cfg.job_id, self.cfg.node_index)
         self.store = NodeStore.create(layout)
         self.layout_name = layout.name
+        self._start_plane(param_count)
         self.view.wait(f"joining the job at {self.address}", "CONNECT_TIMEOUT",
                        self.cfg.connect_timeout)
         try:

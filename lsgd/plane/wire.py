@@ -16,18 +16,23 @@ With a job secret every message carries an HMAC-SHA256 under a key of this conne
 (``HMAC(secret, "lsgd-data-v1" + nonce)``) over a direction byte, the message's sequence number
 in its direction and the message: nothing can be replayed from another connection, reordered or
 injected. Without a secret (a job on loopback only) the MACs are zeros and unchecked. Every
-field is bounded before anything is written: a refused header writes nothing, a chunk is
-written into the receiver's staging buffer before its MAC is checked but counts (and is
-forwarded) only after, and the staging buffer is applied only once whole.
+field is bounded before anything is written: a refused header writes nothing, a chunk reaches
+the receiver's staging buffer only once its MAC, epoch and offset are checked, and the staging
+buffer is applied only once whole.
+
+A sender that makes no progress for ``stall`` seconds (a receiver that hangs: its kernel buffers
+fill and stay full) gives up with ``Stalled``, so that its route can bypass that receiver.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -52,6 +57,10 @@ _DONE = struct.Struct("<B")
 
 class TransferError(RuntimeError):
     """The transfer cannot go on: refused, broken, forged or too slow; the message says why."""
+
+
+class Stalled(TransferError):
+    """The peer took nothing (or sent nothing) for the stall time."""
 
 
 @dataclass(frozen=True)
@@ -91,8 +100,9 @@ class Header:
 class _Channel:
     """One side of a connection: exact reads with a deadline, MACs with sequence numbers."""
 
-    def __init__(self, sock: socket.socket, secret: bytes | None, deadline: float) -> None:
-        self.sock, self.secret, self.deadline = sock, secret, deadline
+    def __init__(self, sock: socket.socket, secret: bytes | None, deadline: float,
+                 stall: float | None = None) -> None:
+        self.sock, self.secret, self.deadline, self.stall = sock, secret, deadline, stall
         self.key: bytes | None = None
         self.sent = self.received = 0
 
@@ -126,14 +136,19 @@ class _Channel:
         left = self.deadline - time.monotonic()
         if left <= 0:
             raise TransferError("the transfer's deadline passed")
-        return left
+        return left if self.stall is None else min(left, self.stall)
+
+    def _timed_out(self, doing: str) -> TransferError:
+        if self.stall is not None and self.deadline - time.monotonic() > 0:
+            return Stalled(f"the peer made no progress for {self.stall:g} s ({doing})")
+        return TransferError(f"the transfer's deadline passed ({doing})")
 
     def _sendall(self, data: bytes | memoryview) -> None:
         self.sock.settimeout(self._left())
         try:
             self.sock.sendall(data)
         except TimeoutError:
-            raise TransferError("the transfer's deadline passed (sending)") from None
+            raise self._timed_out("sending") from None
         except OSError as exc:
             raise TransferError(f"send failed: {exc}") from None
 
@@ -149,7 +164,7 @@ class _Channel:
             try:
                 n = self.sock.recv_into(view[got:])
             except TimeoutError:
-                raise TransferError("the transfer's deadline passed (receiving)") from None
+                raise self._timed_out("receiving") from None
             except OSError as exc:
                 raise TransferError(f"receive failed: {exc}") from None
             if n == 0:
@@ -161,17 +176,20 @@ TO_RECEIVER, TO_SENDER = b">", b"<"
 
 
 def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: bytes | None,
-                timeout: float, chunk_ready: Callable[[int], int] | None = None) -> None:
+                timeout: float, chunk_ready: Callable[[int], int] | None = None,
+                stall: float | None = None) -> None:
     """Send ``data`` (``header.count`` elements as raw bytes) over ``sock``.
 
     ``chunk_ready(end)``, if given, blocks until at least the first ``end`` elements of
     ``data`` are there (a forwarding member sends what it has received so far) and returns how
-    many are; otherwise all of ``data`` is ready.
+    many are; otherwise all of ``data`` is ready. ``stall``: seconds without progress on the
+    socket after which the send ends with ``Stalled`` (waiting in ``chunk_ready`` is not a
+    stall of this receiver).
     """
     item = ITEMSIZE[header.wire]
     if len(data) != header.count * item:
         raise TransferError(f"{len(data)} bytes for {header.count} elements of {item} bytes")
-    ch = _Channel(sock, secret, time.monotonic() + timeout)
+    ch = _Channel(sock, secret, time.monotonic() + timeout, stall)
     magic, version, nonce = _HELLO.unpack(ch.read(_HELLO.size))
     if magic != MAGIC or version != VERSION:
         raise TransferError("the peer does not speak lsgd's data protocol (version 1)")
@@ -198,16 +216,22 @@ def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: b
     ch.check(TO_SENDER, _DONE.pack(status))
 
 
-def receive_vector(sock: socket.socket, out: memoryview, reception: Reception,
+def receive_vector(sock: socket.socket, out: memoryview | None, reception: Reception | None,
                    secret: bytes | None, timeout: float,
-                   admit: Callable[[Header], str | None],
-                   on_chunk: Callable[[int, int], None] | None = None) -> Header:
+                   admit: Callable[[Header], "str | None | tuple[memoryview, Reception]"],
+                   on_chunk: Callable[[int, int], None] | None = None,
+                   lock: "threading.Lock | None" = None) -> Header:
     """Receive one transfer into ``out`` (the staging buffer, raw bytes of the whole vector).
 
-    ``admit(header)`` returns None to accept or a one-line reason to refuse (the job, round,
-    route and sender are the caller's to check); the route epoch and the resume offset come from
-    ``reception``. ``on_chunk(offset, n)`` is called for each chunk once its MAC checked out,
-    before the next is read (a member forwards from there). Returns the header.
+    ``admit(header)`` returns a one-line reason to refuse, or None to accept into ``out`` and
+    ``reception``, or a pair ``(out, reception)`` to accept into those (the job, round, route
+    and sender are the caller's to check); the route epoch and the resume offset come from the
+    reception. Each chunk is read into a buffer of this connection, checked (MAC, epoch,
+    contiguous offset) and only then copied into ``out``, under ``lock`` when given: several
+    connections may feed one reception (a bypassed sender's and its replacement's), and none
+    writes a byte of ``out`` that is not the current epoch's next chunk. ``on_chunk(offset,
+    n)`` is called for each chunk taken (under the lock), before the next is read: a member
+    forwards from there. Returns the header.
     """
     ch = _Channel(sock, secret, time.monotonic() + timeout)
     nonce = os.urandom(NONCE)
@@ -218,31 +242,45 @@ def receive_vector(sock: socket.socket, out: memoryview, reception: Reception,
     header = Header.unpack(raw)
     item = ITEMSIZE[header.wire]
     why = admit(header)
-    if why is None and (header.count != reception.count or len(out) != header.count * item):
-        why = f"the vector has {reception.count} elements, not {header.count}"
+    if isinstance(why, tuple):
+        (out, reception), why = why, None
+    guard = lock if lock is not None else contextlib.nullcontext()
+    if why is None and (out is None or reception is None or header.count != reception.count
+                        or len(out) != header.count * item):
+        why = f"the vector has {reception.count if reception else 0} elements, not {header.count}"
     offset = 0
     if why is None:
-        try:
-            offset = reception.open(header.epoch)
-        except RouteError as exc:
-            why = str(exc)
+        with guard:
+            try:
+                offset = reception.open(header.epoch)
+            except RouteError as exc:
+                why = str(exc)
     if why is not None:
         reason = why.encode()[:MAX_REASON]
         ch.send(TO_SENDER, _REPLY.pack(1, 0, len(reason)), reason)
         raise TransferError(f"refused node {header.sender}'s transfer: {why}")
     ch.send(TO_SENDER, _REPLY.pack(0, offset, 0), b"")
-    while not reception.complete:
+    bounce = memoryview(bytearray(min(header.chunk, header.count) * item))
+    while True:
+        with guard:
+            if reception.complete:
+                break
         raw = ch.read(_CHUNK.size)
         at, n = _CHUNK.unpack(raw)
-        if at != reception.offset or not 1 <= n <= header.chunk or at + n > header.count:
+        if not 1 <= n <= header.chunk or at + n > header.count:
             raise TransferError(f"a chunk of {n} elements at {at}; expected one of at most "
-                                f"{header.chunk} at {reception.offset} of {header.count}")
-        view = out[at * item:(at + n) * item]
+                                f"{header.chunk} within {header.count}")
+        view = bounce[:n * item]
         ch.read_into(view)
         ch.check(TO_RECEIVER, raw, view)
-        reception.accept(header.epoch, at, n)
-        if on_chunk is not None:
-            on_chunk(at, n)
+        with guard:
+            try:
+                reception.accept(header.epoch, at, n)
+            except RouteError as exc:
+                raise TransferError(f"node {header.sender}: {exc}") from None
+            out[at * item:(at + n) * item] = view
+            if on_chunk is not None:
+                on_chunk(at, n)
     ch.send(TO_SENDER, _DONE.pack(0))
     return header
 

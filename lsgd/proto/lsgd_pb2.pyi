@@ -53,7 +53,7 @@ class NodeId(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., node_index: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups", "resume_session", "held_credits", "unreported", "seq", "unanswered_seq", "unanswered_steps", "replaces_session")
+    __slots__ = ("node", "num_workers", "param_count", "algorithm", "num_groups", "resume_session", "held_credits", "unreported", "seq", "unanswered_seq", "unanswered_steps", "replaces_session", "data_address")
     NODE_FIELD_NUMBER: _ClassVar[int]
     NUM_WORKERS_FIELD_NUMBER: _ClassVar[int]
     PARAM_COUNT_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class JoinRequest(_message.Message):
     UNANSWERED_SEQ_FIELD_NUMBER: _ClassVar[int]
     UNANSWERED_STEPS_FIELD_NUMBER: _ClassVar[int]
     REPLACES_SESSION_FIELD_NUMBER: _ClassVar[int]
+    DATA_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     num_workers: int
     param_count: int
@@ -78,7 +79,8 @@ class JoinRequest(_message.Message):
     unanswered_seq: int
     unanswered_steps: int
     replaces_session: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ..., resume_session: _Optional[int] = ..., held_credits: _Optional[int] = ..., unreported: _Optional[int] = ..., seq: _Optional[int] = ..., unanswered_seq: _Optional[int] = ..., unanswered_steps: _Optional[int] = ..., replaces_session: _Optional[int] = ...) -> None: ...
+    data_address: str
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ..., resume_session: _Optional[int] = ..., held_credits: _Optional[int] = ..., unreported: _Optional[int] = ..., seq: _Optional[int] = ..., unanswered_seq: _Optional[int] = ..., unanswered_steps: _Optional[int] = ..., replaces_session: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
     __slots__ = ("session", "seed_center", "counter", "epoch", "round_id")
@@ -255,7 +257,7 @@ class ReportRoundRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
-    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes", "evaluate", "checkpoint", "stopped")
+    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes", "evaluate", "checkpoint", "stopped", "route")
     MISSED_FIELD_NUMBER: _ClassVar[int]
     HAS_LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
@@ -265,6 +267,7 @@ class ReportRoundResponse(_message.Message):
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     missed: bool
     has_leader: bool
     leader: Candidate
@@ -274,7 +277,46 @@ class ReportRoundResponse(_message.Message):
     evaluate: bool
     checkpoint: bool
     stopped: str
-    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., stopped: _Optional[str] = ...) -> None: ...
+    route: DataRoute
+    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., stopped: _Optional[str] = ..., route: _Optional[_Union[DataRoute, _Mapping]] = ...) -> None: ...
+
+class RouteMember(_message.Message):
+    __slots__ = ("node", "parent", "address")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node: int
+    parent: int
+    address: str
+    def __init__(self, node: _Optional[int] = ..., parent: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
+
+class DataRoute(_message.Message):
+    __slots__ = ("round_id", "epoch", "members", "feeds_server", "chunk_elements")
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    FEEDS_SERVER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    round_id: int
+    epoch: int
+    members: _containers.RepeatedCompositeFieldContainer[RouteMember]
+    feeds_server: int
+    chunk_elements: int
+    def __init__(self, round_id: _Optional[int] = ..., epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[RouteMember, _Mapping]]] = ..., feeds_server: _Optional[int] = ..., chunk_elements: _Optional[int] = ...) -> None: ...
+
+class BypassRequest(_message.Message):
+    __slots__ = ("node", "round_id", "epoch", "stalled", "why")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ROUND_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STALLED_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    node: NodeId
+    round_id: int
+    epoch: int
+    stalled: int
+    why: str
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., epoch: _Optional[int] = ..., stalled: _Optional[int] = ..., why: _Optional[str] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("node", "round_id", "buffer", "param_count", "summands", "wire_format", "weight")

@@ -69,6 +69,11 @@ class GlobalServerStub:
                 request_serializer=lsgd__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=lsgd__pb2.LeaveResponse.FromString,
                 _registered_method=True)
+        self.Bypass = channel.unary_unary(
+                '/lsgd.v1.GlobalServer/Bypass',
+                request_serializer=lsgd__pb2.BypassRequest.SerializeToString,
+                response_deserializer=lsgd__pb2.DataRoute.FromString,
+                _registered_method=True)
 
 
 class GlobalServerServicer:
@@ -125,6 +130,14 @@ class GlobalServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Bypass(self, request, context):
+        """PLANE=chain: a route member's transfer to the next member broke or stalled; answers the
+        route without that member (a new epoch), whose children the caller now sends to.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GlobalServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -162,6 +175,11 @@ def add_GlobalServerServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=lsgd__pb2.LeaveRequest.FromString,
                     response_serializer=lsgd__pb2.LeaveResponse.SerializeToString,
+            ),
+            'Bypass': grpc.unary_unary_rpc_method_handler(
+                    servicer.Bypass,
+                    request_deserializer=lsgd__pb2.BypassRequest.FromString,
+                    response_serializer=lsgd__pb2.DataRoute.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -353,6 +371,33 @@ class GlobalServer:
             '/lsgd.v1.GlobalServer/Leave',
             lsgd__pb2.LeaveRequest.SerializeToString,
             lsgd__pb2.LeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Bypass(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lsgd.v1.GlobalServer/Bypass',
+            lsgd__pb2.BypassRequest.SerializeToString,
+            lsgd__pb2.DataRoute.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,87 @@
+"""The global server's side of the parameter plane (PLANE=chain, docs/design-scale.md): the
+nodes' data addresses, each global round's leader route, and bypasses.
+
+Called by the servicer with its lock held; pure apart from logging (no sockets: the server
+never touches the data connections).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ..plane.messages import PlaneError, check_data_address, leader_route
+from ..plane.node import RouteInfo
+from ..plane.route import RouteError, bypass
+from .records import CoordinatorError
+
+log = logging.getLogger("lsgd.global_server.routes")
+MAX_WHY = 200
+
+
+class Routes:
+    """Data addresses by node, and the newest global round's route."""
+
+    def __init__(self, fanout: int = 1) -> None:
+        self.addresses: dict[int, str] = {}
+        self.fanout = fanout
+        self.current: RouteInfo | None = None
+        self.bypasses = 0
+
+    def note_join(self, index: int, address: str, peer: str) -> None:
+        """A node joined (or reattached) announcing ``address`` ("" : star only). A bad one
+        refuses the join (INVALID_ARGUMENT) before anything changed: call before the join."""
+        if not address:
+            return
+        try:
+            check_data_address(address, peer)
+        except PlaneError as exc:
+            raise CoordinatorError("INVALID_ARGUMENT", str(exc)) from None
+
+    def joined(self, index: int, address: str) -> None:
+        """The join succeeded: the node is reached at ``address`` from now on."""
+        if address:
+            self.addresses[index] = address
+        else:
+            self.addresses.pop(index, None)
+
+    def plan(self, round_id: int, members: list[int], leader_node: int | None) -> RouteInfo | None:
+        """The route of round ``round_id``'s leader among ``members`` (the nodes that reported
+        in time), or None (the star serves alone)."""
+        self.current = None
+        if leader_node is None:
+            return None
+        self.current = leader_route(round_id, sorted(members), leader_node, self.addresses,
+                                    self.fanout)
+        return self.current
+
+    def for_node(self, index: int, round_id: int) -> RouteInfo | None:
+        """The route to tell ``index`` in its answer for ``round_id`` (None: not on one)."""
+        r = self.current
+        if r is None or r.round_id != round_id or index not in r.addresses:
+            return None
+        return r
+
+    def bypass(self, index: int, round_id: int, epoch: int, stalled: int, why: str) -> RouteInfo:
+        """Member ``index`` could not send to ``stalled``: the route without it (a new epoch).
+        Raises CoordinatorError (FAILED_PRECONDITION) when that is not this route's shape."""
+        r = self.current
+        if r is None or r.round_id != round_id:
+            raise CoordinatorError("FAILED_PRECONDITION", f"no route of round {round_id} is "
+                                   "current (the round is over)")
+        if epoch > r.route.epoch:
+            raise CoordinatorError("INVALID_ARGUMENT", f"route epoch {epoch} was never issued "
+                                   f"(newest {r.route.epoch})")
+        if len(why) > MAX_WHY:
+            raise CoordinatorError("INVALID_ARGUMENT", f"why is longer than {MAX_WHY} characters")
+        if stalled in r.route.left:  # a retry of a bypass already granted
+            return r
+        try:
+            route = bypass(r.route, index, stalled)
+        except RouteError as exc:
+            raise CoordinatorError("FAILED_PRECONDITION", str(exc)) from None
+        self.current = RouteInfo(r.round_id, route, r.addresses, r.feeds_server, r.chunk)
+        self.bypasses += 1
+        log.warning("round %d: node %d could not send the leader to node %d (%s); node %d "
+                    "bypassed, route epoch %d", round_id, index, stalled,
+                    why.encode("ascii", "replace").decode(), stalled, route.epoch)
+        return self.current

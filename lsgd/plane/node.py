@@ -1,0 +1,301 @@
+"""A node's side of the parameter plane (PLANE=chain, docs/design-scale.md): its data listener,
+and the broadcast of a round's leader along the route the global server planned.
+
+- The node listens on a plain TCP socket (``DataPlane.address``, told to the server at Join).
+- At a global round the server's answer carries the route. ``begin`` registers it. A member
+  receives the leader into its staging buffer (``stage``) and forwards every chunk to its
+  children as it arrives. The source sends from its own buffer (``send``).
+- ``receive`` returns the staging buffer once every element has arrived, never before: nothing
+  partial is applied.
+- A send that breaks or stalls asks the server for a **bypass** (``bypass`` callback, the
+  ``Bypass`` RPC). The stalled member's children become the caller's, and each resumes at the
+  offset it already holds.
+- Every wait ends at the transfer's deadline (the round's timeout); a member that got nothing
+  by then skips its pull this round, as a failed download from the server is skipped.
+
+Threads: one accepting connections, one per incoming connection (at most ``MAX_CONNECTIONS``),
+one per child being sent to. They share one condition, which also guards the receptions.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..wire import aligned_empty
+from .route import Reception, Route
+from .wire import Header, TransferError, as_bytes, receive_vector, send_vector
+
+log = logging.getLogger("lsgd.plane")
+
+CHUNK = 1 << 16  # elements per chunk (256 KiB of float32)
+STALL = 3.0  # seconds a receiver may take nothing before its sender asks for a bypass
+ADMIT_WAIT = 10.0  # seconds an incoming transfer waits for this node to learn its round's route
+MAX_CONNECTIONS = 8  # incoming connections served at once; more are closed at once
+
+
+@dataclass(frozen=True)
+class RouteInfo:
+    """One round's route as the nodes get it: the tree, the members' addresses, who feeds the
+    global server, and the chunk size."""
+
+    round_id: int
+    route: Route
+    addresses: dict[int, str]
+    feeds_server: int
+    chunk: int = CHUNK
+
+    def ancestors(self, node: int) -> list[int]:
+        """The members above ``node``, nearest first (any may send to it after bypasses)."""
+        out, at = [], node
+        while at in self.route.parent:
+            at = self.route.parent[at]
+            out.append(at)
+        return out
+
+
+class Transfer:
+    """One round's broadcast as this node sees it."""
+
+    def __init__(self, info: RouteInfo, count: int, deadline: float) -> None:
+        self.info = info
+        self.reception = Reception(count)
+        self.deadline = deadline
+        self.failed: str | None = None
+        self.served: set[int] = set()  # children a sender thread was started for
+        self.threads: list[threading.Thread] = []
+        self.results: dict[int, bool] = {}  # child -> whether it got the whole vector
+
+
+class DataPlane:
+    """A node's data listener and its part of each round's broadcast."""
+
+    def __init__(self, *, job_id: str, index: int, count: int, secret: str | None, host: str,
+                 timeout: float,
+                 bypass: Callable[[int, int, int, str], RouteInfo]) -> None:
+        self.job_id, self.index, self.count = job_id, index, count
+        self.secret = secret.encode() if secret else None
+        self.timeout = timeout  # a transfer's whole deadline
+        self.bypass = bypass  # (round, epoch, stalled, why) -> the new route; raises if refused
+        self.stage = aligned_empty(count, np.float32)
+        self.cond = threading.Condition()
+        self.current: Transfer | None = None
+        self.connections = 0
+        self.closed = False
+        self.sock = socket.create_server((host, 0))
+        self.sock.settimeout(0.5)
+        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        # transfers: received whole, sent whole to a child, bypasses asked, receptions failed,
+        # and receptions resumed from a new sender after a bypass
+        self.stats = {"received": 0, "sent": 0, "bypasses": 0, "failed": 0, "resumed": 0}
+        self._acceptor = threading.Thread(target=self._accept, name="lsgd-data", daemon=True)
+        self._acceptor.start()
+
+    # ------------------------------------------------------------------ the node loop's side
+    def begin(self, info: RouteInfo) -> None:
+        """Take part in round ``info.round_id``'s broadcast: a member starts forwarding to its
+        children as soon as chunks arrive. Waits (bounded) for the last round's senders, which
+        read the staging buffer."""
+        self._finish_previous()
+        t = Transfer(info, self.count, time.monotonic() + self.timeout)
+        with self.cond:
+            self.current = t
+            self.cond.notify_all()
+        if self.index != info.route.root:
+            for child in info.route.downstream(self.index):
+                self._start_sender(t, child, as_bytes(self.stage), ready=self._ready(t))
+
+    def send(self, vec: np.ndarray) -> bool:
+        """The source: send ``vec`` (whole) to the route's first members and wait for them.
+        True when every child, or the children of a bypassed one, got it."""
+        t = self.current
+        assert t is not None and t.info.route.root == self.index
+        data = as_bytes(vec)
+        for child in t.info.route.downstream(self.index):
+            self._start_sender(t, child, data, ready=None)
+        return self._join(t)
+
+    def receive(self) -> np.ndarray | None:
+        """The staging buffer once the whole leader has arrived; None at the deadline (or when
+        the transfer failed). The caller copies it out; it stays untouched until the next
+        ``begin``."""
+        t = self.current
+        assert t is not None
+        with self.cond:
+            done = self.cond.wait_for(lambda: t.reception.complete or t.failed is not None
+                                      or self.closed,
+                                      timeout=max(0.0, t.deadline - time.monotonic()))
+            if done and t.reception.complete:
+                self.stats["received"] += 1
+                return self.stage
+            t.failed = t.failed or "no complete leader arrived before the round's deadline"
+            self.stats["failed"] += 1
+            self.cond.notify_all()
+        log.warning("round %d: %s (route epoch %d)", t.info.round_id, t.failed, t.info.route.epoch)
+        return None
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            if self.current is not None:
+                self.current.failed = self.current.failed or "the node is shutting down"
+            self.cond.notify_all()
+        self.sock.close()
+        self._acceptor.join(2.0)
+
+    # ------------------------------------------------------------------ sending
+    def _ready(self, t: Transfer) -> Callable[[int], int]:
+        def chunk_ready(end: int) -> int:
+            with self.cond:
+                self.cond.wait_for(lambda: t.reception.offset >= end or t.failed is not None,
+                                   timeout=max(0.0, t.deadline - time.monotonic()))
+                if t.reception.offset < end:
+                    raise TransferError(t.failed or "nothing more arrived before the deadline")
+                return t.reception.offset
+        return chunk_ready
+
+    def _start_sender(self, t: Transfer, child: int, data: memoryview,
+                      ready: Callable[[int], int] | None) -> None:
+        with self.cond:
+            if child in t.served:
+                return
+            t.served.add(child)
+        th = threading.Thread(target=self._send_to, args=(t, child, data, ready),
+                              name=f"lsgd-data-to-{child}", daemon=True)
+        t.threads.append(th)
+        th.start()
+
+    def _send_to(self, t: Transfer, child: int, data: memoryview,
+                 ready: Callable[[int], int] | None) -> None:
+        """Send to ``child``; when that breaks, have the server bypass it and send to its
+        children instead (each resumes where it stopped)."""
+        ok = False
+        while True:
+            info = t.info
+            try:
+                self._send_once(t, info, child, data, ready)
+                ok = True
+                break
+            except (TransferError, OSError) as exc:
+                why = str(exc)
+            if time.monotonic() >= t.deadline or t.failed is not None or self.closed:
+                log.warning("round %d: sending the leader to node %d failed: %s",
+                            info.round_id, child, why)
+                break
+            try:
+                new = self.bypass(info.round_id, info.route.epoch, child, why)
+            except Exception as exc:  # noqa: BLE001 - refused, or the server is away
+                log.warning("round %d: sending the leader to node %d failed (%s), and the "
+                            "global server did not bypass it: %s", info.round_id, child, why, exc)
+                break
+            log.warning("round %d: node %d bypassed (%s); route epoch %d", info.round_id, child,
+                        why, new.route.epoch)
+            with self.cond:
+                self.stats["bypasses"] += 1
+                if new.route.epoch > t.info.route.epoch:
+                    t.info = new
+            heirs = [n for n in new.route.downstream(self.index) if n not in t.served]
+            if not heirs:  # it was a leaf: nothing left to send
+                ok = True
+                break
+            child = heirs[0]
+            with self.cond:
+                t.served.add(child)
+            for other in heirs[1:]:
+                self._start_sender(t, other, data, ready)
+        with self.cond:
+            t.results[child] = ok
+            if ok:
+                self.stats["sent"] += 1
+
+    def _send_once(self, t: Transfer, info: RouteInfo, child: int, data: memoryview,
+                   ready: Callable[[int], int] | None) -> None:
+        host, _, port = info.addresses[child].rpartition(":")
+        left = t.deadline - time.monotonic()
+        if left <= 0:
+            raise TransferError("the round's deadline passed")
+        header = Header(self.job_id, info.round_id, info.route.epoch, 0, 0, self.index, child,
+                        self.count, info.chunk)
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=min(STALL, left)) as s:
+            send_vector(s, header, data, self.secret, timeout=left, chunk_ready=ready,
+                        stall=STALL)
+
+    def _join(self, t: Transfer) -> bool:
+        for th in list(t.threads):
+            th.join(max(0.0, t.deadline - time.monotonic()) + 1.0)
+        with self.cond:
+            return bool(t.results) and all(t.results.values())
+
+    def _finish_previous(self) -> None:
+        """The last round's senders finish (at its deadline at the latest) before the staging
+        buffer is written again."""
+        t = self.current
+        if t is None:
+            return
+        self._join(t)
+        with self.cond:
+            t.failed = t.failed or "a newer round began"
+            self.cond.notify_all()
+
+    # ------------------------------------------------------------------ receiving
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            with self.cond:
+                busy = self.connections >= MAX_CONNECTIONS
+                if not busy:
+                    self.connections += 1
+            if busy:
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="lsgd-data-in",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            receive_vector(conn, None, None, self.secret, ADMIT_WAIT + self.timeout,
+                           admit=self._admit, on_chunk=lambda at, n: self.cond.notify_all(),
+                           lock=self.cond)
+        except TransferError as exc:
+            log.debug("an incoming transfer ended: %s", exc)
+        except OSError as exc:
+            log.debug("an incoming connection broke: %s", exc)
+        finally:
+            conn.close()
+            with self.cond:
+                self.connections -= 1
+                self.cond.notify_all()
+
+    def _admit(self, h: Header) -> "str | tuple[memoryview, Reception]":
+        """Which reception an incoming transfer feeds, or why it is refused."""
+        if h.job != self.job_id or h.receiver != self.index or h.kind != 0 or h.wire != 0:
+            return (f"a transfer for job {h.job!r}, node {h.receiver}, kind {h.kind}, wire "
+                    f"{h.wire}; this is job {self.job_id!r}, node {self.index} (broadcasts of "
+                    "float32 only)")
+        with self.cond:
+            self.cond.wait_for(lambda: self.closed or (self.current is not None
+                                                       and self.current.info.round_id >= h.round_id),
+                               timeout=ADMIT_WAIT)
+            t = self.current
+            if t is None or t.info.round_id != h.round_id or t.failed is not None:
+                return f"this node is not on a route of round {h.round_id} now"
+            above = t.info.ancestors(self.index)
+            if h.sender not in above or h.epoch > len(t.info.route.members):
+                return (f"node {h.sender} (route epoch {h.epoch}) does not send to node "
+                        f"{self.index} in round {h.round_id}")
+            if t.reception.offset and h.epoch > t.reception.epoch:
+                self.stats["resumed"] += 1
+                log.info("round %d: node %d goes on sending the leader from element %d (route "
+                         "epoch %d)", h.round_id, h.sender, t.reception.offset, h.epoch)
+            return memoryview(self.stage).cast("B"), t.reception

@@ -1,0 +1,69 @@
+"""PLANE=chain end to end: real nodes started with train.sh on loopback pass each global round's
+leader node to node (docs/design-scale.md), and a node lost mid-job leaves the chain without
+stopping it. Mid-transfer kills and hangs are in test_plane_node.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from conftest import assert_clean_exit, global_summary, metric_rows, wait_for_rows
+
+TOY = dict(ENTRY="toyjob:main", LOG_LEVEL="INFO", ALGORITHM="lsgd", PLANE="chain",
+           TOYJOB_SIZE=300000)  # 1.2 MB: five chunks
+
+
+def leaders_by_round(run_dir, nodes) -> dict[int, set]:
+    """Round -> the global leaders the nodes' workers were told to pull toward."""
+    out: dict[int, set] = {}
+    for i in nodes:
+        for row in metric_rows(run_dir / f"node{i}" / "metrics.csv"):
+            if row["kind"] == "global" and row["global_leader"] not in ("", None):
+                out.setdefault(int(row["round"]), set()).add(int(float(row["global_leader"])))
+    return out
+
+
+@pytest.mark.timeout(150)
+def test_a_chain_job_passes_every_leader_node_to_node(cluster):
+    knobs = dict(NUM_GROUPS=3, WORKERS=2, ITERATIONS=6000, **TOY)
+    n0 = cluster(0, PORT=0, **knobs)
+    port = cluster.port_of_node0()
+    rest = [cluster(i, PORT=port, **knobs) for i in (1, 2)]
+    for node in [n0, *rest]:
+        assert node.wait(120) == 0, node.output
+    assert global_summary(cluster.run_dir)["counter"] == 6000
+    stats = {n.index: n.summary()["plane"] for n in [n0, *rest]}
+    assert all(s["failed"] == 0 and s["bypasses"] == 0 for s in stats.values()), stats
+    # each global round: the source sends once per child, every other member receives once
+    assert sum(s["sent"] for s in stats.values()) == sum(s["received"] for s in stats.values())
+    assert all(s["received"] > 0 for s in stats.values()), stats  # every node led sometimes not
+    rounds = leaders_by_round(cluster.run_dir, range(3))
+    assert rounds and all(len(ids) == 1 for ids in rounds.values()), rounds  # one leader each
+    for node in [n0, *rest]:
+        assert "data listener at 127.0.0.1:" in node.output
+    assert_clean_exit(cluster.run_dir, [n0, *rest])
+
+
+@pytest.mark.timeout(180)
+def test_a_node_lost_from_a_chain_job_leaves_the_route_and_rejoins_it(cluster):
+    knobs = dict(NUM_GROUPS=4, WORKERS=1, NODE_TIMEOUT=2, ROUND_TIMEOUT=5, ITERATIONS=12000,
+                 TOYJOB_STEP_SECONDS="0.0005", **TOY)
+    n0 = cluster(0, PORT=0, **knobs)
+    port = cluster.port_of_node0()
+    rest = [cluster(i, PORT=port, **knobs) for i in (1, 2, 3)]
+    wait_for_rows(cluster.run_dir / "node2" / "metrics.csv", rows=10)
+    rest[1].kill_group()  # node 2: its local server, data listener and worker die at once
+    killed = time.monotonic()
+    while "node 2 dropped" not in n0.output and time.monotonic() < killed + 15:
+        time.sleep(0.05)
+    assert "node 2 dropped" in n0.output
+    again = cluster(2, PORT=port, **knobs)  # a supervisor starts it again
+    for node in (n0, rest[0], rest[2], again):
+        assert node.wait(150) == 0, node.output
+    assert "node 2 joins a running job" in again.output
+    assert global_summary(cluster.run_dir)["counter"] == 12000
+    # the rounds went on, the leader still node to node, with node 2 left out while it was away
+    assert rest[2].summary()["plane"]["received"] > 0
+    rounds = leaders_by_round(cluster.run_dir, (0, 1, 3))
+    assert rounds and all(len(ids) == 1 for ids in rounds.values()), rounds

@@ -1,0 +1,214 @@
+"""The parameter plane's broadcast between real processes on loopback (lsgd/plane/node.py):
+every member ends with the source's exact vector, a member killed or hung in the middle of a
+transfer is bypassed (its successor resumes where it stopped), and a member whose sender is
+gone with nobody to bypass it ends with nothing, never a part. Bypasses are answered by the
+global server's own ``Routes``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from multiprocessing.connection import wait
+
+import numpy as np
+import pytest
+
+from lsgd.global_server.records import CoordinatorError
+from lsgd.global_server.routes import Routes
+from lsgd.plane.messages import leader_route
+from lsgd.plane.node import RouteInfo
+from plane_member import member, vector
+
+COUNT = 64 * 1024  # elements: 64 chunks of 1024
+CHUNK = 1024
+SECRET = "a job secret of enough characters"
+
+
+class Chain:
+    """Members 0..n-1 in processes; the test process plays the global server."""
+
+    def __init__(self, n: int, delays: dict[int, float], timeout: float = 20.0,
+                 count: int = COUNT, chunk: int = CHUNK) -> None:
+        self.count = count
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(n):
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=member, args=(i, count, delays.get(i, 0.0), SECRET, there),
+                            daemon=True)
+            p.start()
+            here.send(timeout)
+            self.conns.append(here)
+            self.procs.append(p)
+        self.routes = Routes()
+        for i, c in enumerate(self.conns):
+            assert c.poll(60), f"member {i} did not start"
+            kind, address = c.recv()
+            self.routes.addresses[i] = address
+        self.info = self.routes.plan(7, list(range(n)), leader_node=0)
+        self.info = RouteInfo(self.info.round_id, self.info.route, self.info.addresses,
+                              self.info.feeds_server, chunk)
+        self.routes.current = self.info
+        self.results: dict[int, tuple] = {}
+        self.refused: list[str] = []
+        self._serving = threading.Thread(target=self._serve, daemon=True)
+
+    def start(self) -> None:
+        for c in self.conns:
+            c.send(self.info)
+        self._serving.start()
+
+    def _serve(self) -> None:
+        open_ = {c: i for i, c in enumerate(self.conns)}
+        end = time.monotonic() + 90
+        while len(self.results) < len(self.conns) and time.monotonic() < end:
+            live = [c for c, i in open_.items() if i not in self.results and self.procs[i].is_alive()]
+            if not live:
+                break
+            for c in wait(live, timeout=0.2):
+                try:
+                    kind, value = c.recv()
+                except (EOFError, OSError):
+                    self.results[open_[c]] = ("dead", None)
+                    continue
+                if kind == "bypass":
+                    try:
+                        c.send(("route", self.routes.bypass(*value)))
+                    except CoordinatorError as exc:
+                        self.refused.append(str(exc))
+                        c.send(("error", str(exc)))
+                elif kind == "done":
+                    self.results[open_[c]] = value
+
+    def finish(self, timeout: float = 90) -> dict[int, tuple]:
+        self._serving.join(timeout)
+        assert not self._serving.is_alive(), "the members did not finish"
+        for c in self.conns:
+            try:
+                c.send("go")
+            except OSError:
+                pass
+        for p in self.procs:
+            p.join(10)
+        return self.results
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+                p.join(5)
+
+
+@pytest.fixture
+def chain_of():
+    made = []
+
+    def make(*args, **kw) -> Chain:
+        c = Chain(*args, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def received(results, i) -> np.ndarray | None:
+    (kind, value), _ = results[i]
+    assert kind == "received"
+    return None if value is None else np.frombuffer(value, dtype=np.float32)
+
+
+def test_every_member_gets_the_exact_vector_down_a_chain(chain_of):
+    chain = chain_of(4, delays={})
+    chain.start()
+    results = chain.finish()
+    assert results[0][0] == ("sent", True)
+    want = vector(COUNT)
+    for i in (1, 2, 3):
+        got = received(results, i)
+        assert got is not None and np.array_equal(got, want), f"member {i}"
+        assert results[i][1]["received"] == 1 and results[i][1]["failed"] == 0
+    assert [results[i][1]["sent"] for i in range(4)] == [1, 1, 1, 0]  # 0 -> 1 -> 2 -> 3
+    assert chain.routes.bypasses == 0
+
+
+def test_a_member_killed_mid_transfer_is_bypassed_and_its_successor_resumes(chain_of):
+    # member 1 takes a chunk every 20 ms (about 1.3 s for the vector): killed after ~0.4 s
+    chain = chain_of(4, delays={1: 0.02})
+    chain.start()
+    time.sleep(0.4 + 0.5)  # the members learn the route, then 1 is part-way
+    os.kill(chain.procs[1].pid, signal.SIGKILL)
+    results = chain.finish()
+    assert chain.routes.bypasses == 1 and chain.routes.current.route.left == {1}
+    assert results[0][0] == ("sent", True)
+    want = vector(COUNT)
+    for i in (2, 3):
+        got = received(results, i)
+        assert got is not None and np.array_equal(got, want), f"member {i}"
+    # member 2 had a part from member 1, and went on from there with member 0
+    assert results[2][1]["resumed"] == 1
+    assert results[0][1]["bypasses"] == 1
+
+
+def test_a_hung_member_is_bypassed_once_it_stalls(chain_of):
+    chain = chain_of(4, delays={2: 0.02})
+    chain.start()
+    time.sleep(0.9)
+    os.kill(chain.procs[2].pid, signal.SIGSTOP)  # hung: its process lives, takes nothing
+    try:
+        t0 = time.monotonic()
+        while 3 not in chain.results and time.monotonic() - t0 < 30:
+            time.sleep(0.1)
+        got = received(chain.results, 3)
+        assert got is not None and np.array_equal(got, vector(COUNT))
+        assert chain.routes.bypasses == 1 and chain.routes.current.route.left == {2}
+    finally:
+        os.kill(chain.procs[2].pid, signal.SIGKILL)
+    results = chain.finish()
+    assert results[1][1]["bypasses"] == 1 and results[3][1]["resumed"] == 1
+
+
+def test_a_member_whose_source_dies_ends_with_nothing_at_the_deadline(chain_of):
+    # The source is killed mid-transfer: nobody can bypass it, the others time out with
+    # nothing applied. 16 MiB, more than the sockets' buffers hold, in 64 chunks of 256 KiB.
+    chain = chain_of(3, delays={1: 0.02}, timeout=4.0, count=1 << 22, chunk=1 << 16)
+    chain.start()
+    time.sleep(0.9)
+    os.kill(chain.procs[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    results = chain.finish()
+    assert received(results, 1) is None and received(results, 2) is None
+    assert results[1][1]["failed"] == 1 and results[2][1]["failed"] == 1
+    assert time.monotonic() - t0 < 15
+
+
+def test_the_server_refuses_a_bypass_from_a_member_that_does_not_send_to_it():
+    routes = Routes()
+    routes.addresses = {i: f"127.0.0.1:{4000 + i}" for i in range(4)}
+    routes.plan(3, [0, 1, 2, 3], leader_node=0)  # 0 -> 1 -> 2 -> 3
+    with pytest.raises(CoordinatorError, match="does not send to node 3"):
+        routes.bypass(1, 3, 0, 3, "made up")
+    with pytest.raises(CoordinatorError, match="no route of round 2"):
+        routes.bypass(0, 2, 0, 1, "stale")
+    with pytest.raises(CoordinatorError, match="never issued"):
+        routes.bypass(0, 3, 5, 1, "future")
+    with pytest.raises(CoordinatorError, match="source"):
+        routes.bypass(1, 3, 0, 0, "the source")
+    info = routes.bypass(0, 3, 0, 1, "gone")
+    assert info.route.epoch == 1 and info.route.parent == {2: 0, 3: 2}
+    assert routes.bypass(0, 3, 0, 1, "retry") is info  # a retry gets the same answer
+
+
+def test_a_route_puts_node_0_beside_the_server_and_leaves_out_nodes_without_an_address():
+    addresses = {0: "127.0.0.1:1", 2: "127.0.0.1:3", 3: "127.0.0.1:4"}
+    info = leader_route(5, [0, 1, 2, 3], 3, addresses)
+    assert info.route.root == 3 and info.feeds_server == 0 and set(info.addresses) == {0, 2, 3}
+    assert info.route.parent == {0: 3, 2: 0}
+    no_zero = leader_route(5, [1, 2, 3], 2, addresses)  # node 0 missed the round
+    assert no_zero.feeds_server == 2 and set(no_zero.addresses) == {2, 3}
+    assert leader_route(5, [0, 1], 1, addresses) is None  # the source has no address
+    assert leader_route(5, [0, 2], 2, {2: "127.0.0.1:3"}) is None  # one member: the star
