@@ -282,9 +282,15 @@ class JobConfig:
             return "127.0.0.1"
         import socket
 
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((self.ip_addr, self.port or 9))  # no packet is sent
-            return s.getsockname()[0]
+        try:
+            family, _, _, _, addr = socket.getaddrinfo(self.ip_addr, self.port or 9,
+                                                       type=socket.SOCK_DGRAM)[0]
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(addr)  # no packet is sent: this only picks the route
+                return s.getsockname()[0]
+        except OSError as exc:
+            raise ConfigError(f"cannot tell which address of this host reaches node 0 at "
+                              f"{self.ip_addr} ({exc}); set DATA_HOST") from None
 
     @property
     def total_workers(self) -> int:

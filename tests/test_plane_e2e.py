@@ -45,6 +45,7 @@ def test_a_chain_job_passes_every_leader_node_to_node(cluster):
     assert_clean_exit(cluster.run_dir, [n0, *rest])
 
 
+@pytest.mark.slow  # the plane's own fault tests (test_plane_node.py) cover mid-transfer deaths
 @pytest.mark.timeout(180)
 def test_a_node_lost_from_a_chain_job_leaves_the_route_and_rejoins_it(cluster):
     knobs = dict(NUM_GROUPS=4, WORKERS=1, NODE_TIMEOUT=2, ROUND_TIMEOUT=5, ITERATIONS=12000,

@@ -212,3 +212,33 @@ def test_a_route_puts_node_0_beside_the_server_and_leaves_out_nodes_without_an_a
     assert no_zero.feeds_server == 2 and set(no_zero.addresses) == {2, 3}
     assert leader_route(5, [0, 1], 1, addresses) is None  # the source has no address
     assert leader_route(5, [0, 2], 2, {2: "127.0.0.1:3"}) is None  # one member: the star
+
+
+def test_a_join_naming_another_hosts_data_address_is_refused_and_changes_nothing():
+    """A node (with the secret, say) may not point the others' sends at a third party."""
+    import grpc
+
+    from lsgd.config import JobConfig
+    from lsgd.global_server.server import build_servicer, create_server
+    from lsgd.local_server.global_client import GlobalClient
+
+    servicer = build_servicer(JobConfig(num_groups=2, workers=1, job_id="job", plane="chain"))
+    srv, port = create_server("127.0.0.1:0", servicer)
+    try:
+        for bad, why in [("10.9.9.9:5000", "not the address this node connects from"),
+                         ("127.0.0.1:0", "not host:port"), ("localhost:80", "IP address"),
+                         ("127.0.0.1:1" + "0" * 300, "ASCII characters")]:
+            c = GlobalClient(f"127.0.0.1:{port}", "job", 0, round_timeout=5.0)
+            c.data_address = bad
+            with pytest.raises(grpc.RpcError) as e:
+                c.join(workers=1, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+            c.close()
+        assert not servicer.coord.nodes and not servicer.routes.addresses
+        c = GlobalClient(f"127.0.0.1:{port}", "job", 0, round_timeout=5.0)
+        c.data_address = "127.0.0.1:4567"
+        c.join(workers=1, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5)
+        assert servicer.routes.addresses == {0: "127.0.0.1:4567"}
+        c.close()
+    finally:
+        srv.stop(grace=0.5).wait(5)
