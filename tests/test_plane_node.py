@@ -242,3 +242,110 @@ def test_a_join_naming_another_hosts_data_address_is_refused_and_changes_nothing
         c.close()
     finally:
         srv.stop(grace=0.5).wait(5)
+
+
+# ---------------------------------------------------------------- in one process (threads)
+def local_planes(n: int, timeout: float = 10.0, addresses: dict[int, str] | None = None):
+    """n DataPlanes on loopback and a chain route 0 -> 1 -> ... among them."""
+    from lsgd.plane.node import DataPlane
+
+    calls = []
+
+    def refuse(*args):
+        calls.append(args)
+        raise RuntimeError("no bypass in this test")
+
+    ps = [DataPlane(job_id="job", index=i, count=COUNT, secret=SECRET, host="127.0.0.1",
+                    timeout=timeout, bypass=refuse) for i in range(n)]
+    info = leader_route(1, list(range(n)), 0, {i: p.address for i, p in enumerate(ps)})
+    info = RouteInfo(1, info.route, addresses or info.addresses, info.feeds_server, CHUNK)
+    return ps, info, calls
+
+
+def test_idle_connections_are_dropped_and_do_not_shut_out_the_sender():
+    import socket
+
+    (a, b), info, calls = local_planes(2)
+    idle = [socket.create_connection(("127.0.0.1", int(b.address.rsplit(":", 1)[1])))
+            for _ in range(40)]  # more than MAX_CONNECTIONS, none authenticating
+    try:
+        b.begin(info)
+        a.begin(info)
+        t0 = time.monotonic()
+        assert a.send(vector(COUNT))
+        got = b.receive()
+        assert got is not None and np.array_equal(got, vector(COUNT)) and not calls
+        assert time.monotonic() - t0 < 8  # the idle ones were dropped after AUTH_WAIT (2 s)
+    finally:
+        for s in idle:
+            s.close()
+        a.close()
+        b.close()
+
+
+def test_a_receiver_that_learns_its_route_late_is_waited_for_not_bypassed():
+    (a, b), info, calls = local_planes(2)
+    try:
+        a.begin(info)
+        late = threading.Timer(4.0, b.begin, args=(info,))  # past the 3 s stall bound
+        late.start()
+        assert a.send(vector(COUNT)) and not calls
+        late.join()
+        got = b.receive()
+        assert got is not None and np.array_equal(got, vector(COUNT))
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_sender_not_at_its_announced_host_is_refused():
+    (a, b), info, calls = local_planes(2)
+    port = info.addresses[0].rsplit(":", 1)[1]
+    lying = RouteInfo(1, info.route, {0: f"127.0.0.2:{port}", 1: info.addresses[1]},
+                      info.feeds_server, CHUNK)  # node 0 "is" at 127.0.0.2; it sends from .1
+    try:
+        b.begin(lying)
+        a.begin(lying)
+        assert not a.send(vector(COUNT))  # refused; the bypass was asked for and refused here
+        assert calls and "announced 127.0.0.2, not 127.0.0.1" in calls[0][3]
+        assert b.current.reception.offset == 0  # nothing taken
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_member_with_no_chunk_for_a_while_stops_waiting_and_takes_nothing(monkeypatch):
+    from lsgd.plane import node as plane_node
+
+    monkeypatch.setattr(plane_node, "RECEIVE_STALL", 0.5)
+    (a, b), info, calls = local_planes(2)
+    try:
+        b.begin(info)  # its sender never sends (it hung after its own sender was done)
+        t0 = time.monotonic()
+        assert b.receive() is None and b.stats["failed"] == 1
+        assert time.monotonic() - t0 < 3
+        a.begin(info)  # it comes back: the closed reception takes nothing of this round
+        assert not a.send(vector(COUNT))
+        assert b.current.reception.offset == 0
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_bypass_of_the_member_feeding_the_server_moves_the_upload_to_the_reporter():
+    from lsgd.config import JobConfig
+    from lsgd.global_server.params import LEADER, ParamStore
+    from lsgd.rules.base import RoundKind
+
+    routes = Routes()
+    routes.addresses = {i: f"127.0.0.1:{4000 + i}" for i in range(3)}
+    info = routes.plan(4, [0, 1, 2], leader_node=2)  # 2 -> 0 -> 1; node 0 feeds the server
+    assert info.feeds_server == 0 and info.route.parent == {0: 2, 1: 0}
+    params = ParamStore(JobConfig(algorithm="lsgd").make_rule())
+    params.set_param_count(10)
+    params.begin(4, RoundKind.GLOBAL, 2, {0: 1, 1: 1, 2: 1}, 5.0, leader_uploader=0)
+    assert params.exchange.expected == {(0, LEADER)}
+    new = routes.bypass(2, 4, 0, 0, "node 0 hung")
+    assert new.feeds_server == 2 and new.route.parent == {1: 2}
+    assert params.reassign_upload(4, LEADER, 0, 2) and params.exchange.expected == {(2, LEADER)}
+    assert not params.reassign_upload(4, LEADER, 0, 2)  # nothing expected from 0 any more

@@ -111,3 +111,17 @@ def test_a_receiver_takes_the_newest_epoch_and_only_its_contiguous_chunks():
         rx.accept(1, 4, 7)
     rx.accept(1, 4, 6)
     assert rx.complete and rx.offset == 10
+
+
+def test_a_closed_reception_takes_nothing_more():
+    from lsgd.plane.route import Reception, RouteError
+
+    rx = Reception(10)
+    rx.open(0)
+    rx.accept(0, 0, 4)
+    rx.close("the round ended")
+    with pytest.raises(RouteError, match="the round ended"):
+        rx.accept(0, 4, 2)
+    with pytest.raises(RouteError, match="the round ended"):
+        rx.open(1)
+    assert rx.offset == 4

@@ -148,6 +148,18 @@ class ParamStore(DeltaMixin, SavedParams):
             self._maybe_settle()
             self._cond.notify_all()
 
+    def reassign_upload(self, round_id: int, buffer: str, old: int, new: int) -> bool:
+        """Expect ``buffer`` of round ``round_id`` from node ``new`` instead of ``old`` (PLANE=
+        chain: the member that was to feed the server was bypassed). False, changing nothing,
+        when that upload is not expected from ``old`` or has started."""
+        with self._cond:
+            ex = self.exchange
+            if ex is None or ex.round_id != round_id or ex.settled or (old, buffer) not in ex.expected:
+                return False
+            ex.expected.discard((old, buffer))
+            ex.expected.add((new, buffer))
+            return True
+
     def _maybe_settle(self) -> None:
         ex = self.exchange
         if ex is None or ex.settled:

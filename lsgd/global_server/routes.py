@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from ..plane.messages import PlaneError, check_data_address, leader_route
+from ..plane.messages import PlaneError, check_data_address, leader_route, to_pb
+from ..proto import lsgd_pb2 as pb
 from ..plane.node import RouteInfo
 from ..plane.route import RouteError, bypass
 from .records import CoordinatorError
@@ -26,6 +27,7 @@ class Routes:
         self.fanout = fanout
         self.current: RouteInfo | None = None
         self.bypasses = 0
+        self._message: tuple[tuple[int, int], pb.DataRoute] | None = None  # to_pb, cached
 
     def note_join(self, index: int, address: str, peer: str) -> None:
         """A node joined (or reattached) announcing ``address`` ("" : star only). A bad one
@@ -61,9 +63,18 @@ class Routes:
             return None
         return r
 
+    def message(self, info: RouteInfo) -> pb.DataRoute:
+        """``info`` as sent, built once per round and epoch (every member gets the same)."""
+        key = (info.round_id, info.route.epoch)
+        if self._message is None or self._message[0] != key:
+            self._message = (key, to_pb(info))
+        return self._message[1]
+
     def bypass(self, index: int, round_id: int, epoch: int, stalled: int, why: str) -> RouteInfo:
         """Member ``index`` could not send to ``stalled``: the route without it (a new epoch).
-        Raises CoordinatorError (FAILED_PRECONDITION) when that is not this route's shape."""
+        If ``stalled`` was to feed the server, ``index`` does instead (it holds the whole
+        vector once its sends are done; the caller moves the server's expectation). Raises
+        CoordinatorError (FAILED_PRECONDITION) when that is not this route's shape."""
         r = self.current
         if r is None or r.round_id != round_id:
             raise CoordinatorError("FAILED_PRECONDITION", f"no route of round {round_id} is "
@@ -79,7 +90,8 @@ class Routes:
             route = bypass(r.route, index, stalled)
         except RouteError as exc:
             raise CoordinatorError("FAILED_PRECONDITION", str(exc)) from None
-        self.current = RouteInfo(r.round_id, route, r.addresses, r.feeds_server, r.chunk)
+        self.current = RouteInfo(r.round_id, route, r.addresses,
+                                 index if stalled == r.feeds_server else r.feeds_server, r.chunk)
         self.bypasses += 1
         log.warning("round %d: node %d could not send the leader to node %d (%s); node %d "
                     "bypassed, route epoch %d", round_id, index, stalled,

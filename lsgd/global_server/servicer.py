@@ -12,6 +12,7 @@ import secrets
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import grpc
@@ -19,7 +20,6 @@ import grpc
 from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
-from ..plane.messages import to_pb
 from ..rules.base import Exchange as ExchangeKind, RoundKind
 from .coordinator import Coordinator, CoordinatorError
 from .buffers import DELTA, MAIL
@@ -322,15 +322,23 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             resp.leader.loss = out.leader.loss
             resp.leader_node = out.leader_node
         if route is not None and not out.missed:
-            resp.route.CopyFrom(to_pb(route))
+            resp.route.CopyFrom(self.routes.message(route))
         return resp
 
     def Bypass(self, request: pb.BypassRequest, context: grpc.ServicerContext) -> pb.DataRoute:
         def bypass() -> pb.DataRoute:
             self._check(request.node)
-            self.coord._node(request.node.node_index, request.node.session, self.clock())
-            return to_pb(self.routes.bypass(request.node.node_index, request.round_id,
-                                            request.epoch, request.stalled, request.why))
+            index = request.node.node_index
+            self.coord._node(index, request.node.session, self.clock())
+            before = self.routes.current
+            info = self.routes.bypass(index, request.round_id, request.epoch, request.stalled,
+                                      request.why)
+            if (before is not None and info is not before
+                    and info.feeds_server != before.feeds_server
+                    and not self.params.reassign_upload(request.round_id, LEADER,
+                                                        before.feeds_server, index)):
+                info = self.routes.current = replace(info, feeds_server=before.feeds_server)
+            return self.routes.message(info)
 
         return self._call(context, bypass)
 

@@ -9,16 +9,30 @@ A mixin of ``LocalServer`` (``server.py``).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..plane.messages import PlaneError, from_pb
 from ..plane.node import DataPlane, RouteInfo
 from ..rules import ops
-from ..rules.base import GLOBAL_LEADER
+from ..rules.base import GLOBAL_LEADER, LOCAL_LEADER, Exchange, RoundKind
 from .global_client import RPC_TIMEOUT, RoundAnswer
 
 log = logging.getLogger("lsgd.local_server.server")
+
+
+@dataclass
+class LeaderPart:
+    """How a global round's leader moves in or out of this node (round_runner.py)."""
+
+    route: RouteInfo | None = None  # PLANE=chain: the round's route, when this node is on it
+    source: str | None = None  # the node buffer holding the leader it uploads (its own leader)
+    staged: np.ndarray | None = None  # ... or the vector the route carried, whole
+    upload: bool = False  # this node uploads the leader to the server
+    uploaded: bool = False
+    have: bool = False  # GLOBAL_LEADER holds this round's leader
+    leader: int | None = None  # the global leader the workers pull toward (None: none)
 
 
 class ChainMixin:
@@ -93,3 +107,53 @@ class ChainMixin:
             return False, vec
         ops.copy_(self.store.buffer(GLOBAL_LEADER), vec)
         return True, vec
+
+    def _leader_exchange(self, rid: int, kind: RoundKind, answer, evaluate: bool,
+                         local_of: dict[int, int], local_lead: int | None) -> LeaderPart:
+        """The global leader's way in or out of this node this round: on the star, or on the
+        round's route (PLANE=chain, chain.py). The leader's node stages what it sends and
+        uploads; every other node gets the leader into GLOBAL_LEADER (where free)."""
+        assert self.store is not None
+        lx = LeaderPart(route=self._route(rid, answer))
+        if not (kind == RoundKind.GLOBAL and answer and answer.leader and (
+                self.rule.exchange == Exchange.LEADER or evaluate)):
+            return lx
+        me, lead, route = self.cfg.node_index, answer.leader.worker_id, lx.route
+        pulls_leader = self.rule.exchange == Exchange.LEADER
+        if answer.leader_node == me:
+            if self._free(GLOBAL_LEADER, rid):
+                ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[lead]))
+                lx.source, lx.have = GLOBAL_LEADER, True
+            else:  # the same vector, copied from the same slot this round, if it was
+                lx.source = LOCAL_LEADER if local_lead == lead else None
+            # see ParamStore.begin: which leader uploads the server expects
+            lx.upload = (evaluate or len(answer.nodes) > 1) and lx.source is not None
+            if route is not None:
+                lx.staged = self._send_down_route(rid, self.store.slot(local_of[lead]))
+                lx.upload = route.feeds_server == me
+        elif route is not None:
+            lx.have, lx.staged = self._leader_from_route(rid)
+            lx.upload = route.feeds_server == me and lx.staged is not None
+            if lx.staged is None and route.feeds_server != me and pulls_leader and self._free(
+                    GLOBAL_LEADER, rid):  # the route failed here: the server's copy, if it has one
+                lx.have = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+        elif pulls_leader and self._free(GLOBAL_LEADER, rid):
+            lx.have = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
+        lx.leader = lead if pulls_leader and lx.have else None
+        return lx
+
+    def _leader_send(self, rid: int, lx: LeaderPart) -> None:
+        """After the pulls went out: the leader's node sends it down the route; the member that
+        feeds the server uploads it (node 0 first, over loopback; a source that took over from
+        a bypassed node 0, after its sends)."""
+        me = self.cfg.node_index
+        sends = lx.route is not None and lx.staged is not None and lx.route.route.root == me
+        if lx.upload and (not sends or me == 0):
+            self._push(lx.source, GLOBAL_LEADER, rid, vec=lx.staged)
+            lx.upload = False
+            lx.uploaded = True
+        if sends:
+            self._finish_send(rid)
+            assert self.plane is not None
+            if not lx.uploaded and (lx.upload or self.plane.feeds_server == me):
+                self._push(lx.source, GLOBAL_LEADER, rid, vec=lx.staged)

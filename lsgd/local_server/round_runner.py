@@ -78,39 +78,17 @@ class RoundMixin:
                            answer.leader_node if exchanged else None)
         evaluate = exchanged and answer.evaluate
         ckpt = exchanged and answer.checkpoint
-        global_leader, upload, have_leader, source = None, False, False, None
-        route = self._route(rid, answer)  # PLANE=chain, this node on the leader's route (chain.py)
-        staged = None  # the leader as the route carries it, when this node has it whole
-        if kind == RoundKind.GLOBAL and answer and answer.leader and (
-                self.rule.exchange == Exchange.LEADER or evaluate):
-            lead = answer.leader.worker_id
-            if answer.leader_node == self.cfg.node_index:
-                if self._free(GLOBAL_LEADER, rid):
-                    ops.copy_(self.store.buffer(GLOBAL_LEADER), self.store.slot(local_of[lead]))
-                    source, have_leader = GLOBAL_LEADER, True
-                else:  # the same vector, copied from the same slot this round, if it was
-                    source = LOCAL_LEADER if local_lead == lead else None
-                if route is not None:
-                    staged = self._send_down_route(rid, self.store.slot(local_of[lead]))
-                # see ParamStore.begin: which leader uploads the server expects
-                upload = (evaluate or len(answer.nodes) > 1) and source is not None
-            elif route is not None:
-                have_leader, staged = self._leader_from_route(rid)
-            elif self.rule.exchange == Exchange.LEADER and self._free(GLOBAL_LEADER, rid):
-                have_leader = self._pull(GLOBAL_LEADER, GLOBAL_LEADER, rid)
-            if route is not None:  # on a route, one member uploads the leader: see routes.py
-                upload = route.feeds_server == self.cfg.node_index and staged is not None
-            if self.rule.exchange == Exchange.LEADER and have_leader:
-                global_leader = lead
+        lx = self._leader_exchange(rid, kind, answer, evaluate, local_of, local_lead)
+        global_leader, have_leader = lx.leader, lx.have
         if evaluate and not center and joins:  # after the leader download, which stages in SUM
             self._sum_slots(joins)
         averaged = self._average_stats(joins)
         self.pulled_round = rid
         fresh_center = False
         if after and exchanged and joins:  # the new center first: the pulls go toward it
-            if upload:  # an evaluation round's exchange settles only with the leader in
-                self._push(source, GLOBAL_LEADER, rid, vec=staged)
-                upload = False
+            if lx.upload:  # an evaluation round's exchange settles only with the leader in
+                self._push(lx.source, GLOBAL_LEADER, rid, vec=lx.staged)
+                lx.upload = False
             if self._push(SUM, SUM, rid, summands=len(joins), weight=weight) and self._free(CENTER, rid):
                 fresh_center = self._pull(CENTER, CENTER, rid)
         for i in joins:
@@ -122,10 +100,7 @@ class RoundMixin:
             self.workers[i].reading = frozenset(name for name, _ in pulls)
             self._send(self.workers[i], m.Pull(rid, pulls, True, averaged, checkpoint=ckpt))
         resets = self._reset_sick(rid, kind, sick, local_lead is not None)
-        if route is not None and staged is not None and route.route.root == self.cfg.node_index:
-            self._finish_send(rid)  # down the route, while the workers pull
-        if upload:
-            self._push(source, GLOBAL_LEADER, rid, vec=staged)
+        self._leader_send(rid, lx)  # uploads, and down the route, while the workers pull
         if (center or evaluate) and not after and joins and exchanged:
             self._push(SUM, SUM, rid, summands=len(joins), weight=weight)
         dones = self._collect_dones(rid, set(joins) | set(sick))

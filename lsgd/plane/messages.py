@@ -5,6 +5,7 @@ Every field is bounded on both sides."""
 from __future__ import annotations
 
 import ipaddress
+import urllib.parse
 
 from ..proto import lsgd_pb2 as pb
 from .node import CHUNK, RouteInfo
@@ -39,11 +40,15 @@ def check_data_address(address: str, peer: str) -> str:
     at (``peer`` as gRPC gives it: ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``); PlaneError if they
     differ: a node may not point other nodes' sends at a third party."""
     host, _ = split_address(address)
-    kind, _, rest = peer.partition(":")
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")  # ipv6:%5B::1%5D:5 as well
     if kind not in ("ipv4", "ipv6"):
         raise PlaneError(f"the data plane needs a TCP connection to the global server, not {kind}")
     seen = rest.rpartition(":")[0].strip("[]")
-    if ipaddress.ip_address(host) != ipaddress.ip_address(seen):
+    try:
+        same = ipaddress.ip_address(host) == ipaddress.ip_address(seen)
+    except ValueError:
+        same = False
+    if not same:
         raise PlaneError(f"data address {address!r} is not the address this node connects from "
                          f"({seen}); set DATA_HOST to it")
     return address
@@ -74,12 +79,15 @@ def from_pb(msg: pb.DataRoute, num_groups: int) -> RouteInfo | None:
     if root.parent != -1 or any(m.parent == -1 for m in msg.members[1:]):
         raise PlaneError("a route has one source, its first member")
     parent = {m.node: m.parent for m in msg.members[1:]}
-    for n in parent:  # every member reaches the source
-        at, hops = n, 0
-        while at != root.node:
-            if at not in parent or hops > len(nodes):
+    reaches = {root.node}
+    for n in parent:  # every member reaches the source (each node walked once)
+        path, at = [], n
+        while at not in reaches:
+            if at not in parent or at in path:
                 raise PlaneError(f"member {n} does not reach the source {root.node}")
-            at, hops = parent[at], hops + 1
+            path.append(at)
+            at = parent[at]
+        reaches.update(path)
     for m in msg.members:
         split_address(m.address)
     if not msg.chunk_elements or msg.chunk_elements > MAX_CHUNK:

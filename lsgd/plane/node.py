@@ -29,15 +29,18 @@ from typing import Callable
 import numpy as np
 
 from ..wire import aligned_empty
-from .route import Reception, Route
-from .wire import Header, TransferError, as_bytes, receive_vector, send_vector
+from .route import Reception, Route, RouteError
+from .wire import (AUTH_WAIT, Header, TransferError, Unanswered, as_bytes, receive_vector,
+                   send_vector)
 
 log = logging.getLogger("lsgd.plane")
 
 CHUNK = 1 << 16  # elements per chunk (256 KiB of float32)
 STALL = 3.0  # seconds a receiver may take nothing before its sender asks for a bypass
-ADMIT_WAIT = 10.0  # seconds an incoming transfer waits for this node to learn its round's route
-MAX_CONNECTIONS = 8  # incoming connections served at once; more are closed at once
+RECEIVE_STALL = 10.0  # seconds without a chunk after which a member stops waiting on its route
+ADMIT_WAIT = 5.0  # seconds an incoming transfer waits for this node to learn its round's route
+MAX_CONNECTIONS = 32  # incoming connections at once (one that does not authenticate within
+# AUTH_WAIT is dropped); more are closed at once, and their senders try again for a while
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class Transfer:
         self.info = info
         self.reception = Reception(count)
         self.deadline = deadline
+        self.progress_at = time.monotonic()  # when the last chunk (or the route) arrived
         self.failed: str | None = None
         self.served: set[int] = set()  # children a sender thread was started for
         self.threads: list[threading.Thread] = []
@@ -88,9 +92,11 @@ class DataPlane:
         self.current: Transfer | None = None
         self.connections = 0
         self.closed = False
-        self.sock = socket.create_server((host, 0))
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, 0), family=family)
         self.sock.settimeout(0.5)
-        self.address = f"{host}:{self.sock.getsockname()[1]}"
+        port = self.sock.getsockname()[1]
+        self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         # transfers: received whole, sent whole to a child, bypasses asked, receptions failed,
         # and receptions resumed from a new sender after a bypass
         self.stats = {"received": 0, "sent": 0, "bypasses": 0, "failed": 0, "resumed": 0}
@@ -122,29 +128,44 @@ class DataPlane:
         return self._join(t)
 
     def receive(self) -> np.ndarray | None:
-        """The staging buffer once the whole leader has arrived; None at the deadline (or when
-        the transfer failed). The caller copies it out; it stays untouched until the next
-        ``begin``."""
+        """The staging buffer once the whole leader has arrived; None at the deadline, after
+        ``RECEIVE_STALL`` seconds without a chunk (a member above hung after its own sender was
+        done: nobody would bypass it), or when the transfer failed. The caller copies it out;
+        it stays untouched until the next ``begin``. Once None is returned the transfer takes
+        nothing more, and this node's children stop too (they fall back in turn)."""
         t = self.current
         assert t is not None
         with self.cond:
-            done = self.cond.wait_for(lambda: t.reception.complete or t.failed is not None
-                                      or self.closed,
-                                      timeout=max(0.0, t.deadline - time.monotonic()))
-            if done and t.reception.complete:
+            while not (t.reception.complete or t.failed is not None or self.closed):
+                now = time.monotonic()
+                if now >= t.deadline:
+                    t.failed = "no complete leader arrived before the round's deadline"
+                elif now - t.progress_at >= RECEIVE_STALL:
+                    t.failed = (f"nothing arrived for {RECEIVE_STALL:g} s (element "
+                                f"{t.reception.offset} of {self.count})")
+                else:
+                    self.cond.wait(min(t.deadline, t.progress_at + RECEIVE_STALL) - now)
+            if t.reception.complete:
                 self.stats["received"] += 1
                 return self.stage
-            t.failed = t.failed or "no complete leader arrived before the round's deadline"
+            t.failed = t.failed or "the node is shutting down"
+            t.reception.close(t.failed)
             self.stats["failed"] += 1
             self.cond.notify_all()
         log.warning("round %d: %s (route epoch %d)", t.info.round_id, t.failed, t.info.route.epoch)
         return None
+
+    @property
+    def feeds_server(self) -> int | None:
+        """The member that uploads this round's leader to the server (a bypass may change it)."""
+        return None if self.current is None else self.current.info.feeds_server
 
     def close(self) -> None:
         with self.cond:
             self.closed = True
             if self.current is not None:
                 self.current.failed = self.current.failed or "the node is shutting down"
+                self.current.reception.close(self.current.failed)
             self.cond.notify_all()
         self.sock.close()
         self._acceptor.join(2.0)
@@ -153,10 +174,13 @@ class DataPlane:
     def _ready(self, t: Transfer) -> Callable[[int], int]:
         def chunk_ready(end: int) -> int:
             with self.cond:
-                self.cond.wait_for(lambda: t.reception.offset >= end or t.failed is not None,
+                self.cond.wait_for(lambda: t.reception.offset >= end or t.failed is not None
+                                   or self.current is not t,
                                    timeout=max(0.0, t.deadline - time.monotonic()))
+                if t.failed is not None or self.current is not t:
+                    raise TransferError(t.failed or "a newer round began")
                 if t.reception.offset < end:
-                    raise TransferError(t.failed or "nothing more arrived before the deadline")
+                    raise TransferError("nothing more arrived before the deadline")
                 return t.reception.offset
         return chunk_ready
 
@@ -176,12 +200,18 @@ class DataPlane:
         """Send to ``child``; when that breaks, have the server bypass it and send to its
         children instead (each resumes where it stopped)."""
         ok = False
+        knocked = time.monotonic()
         while True:
             info = t.info
             try:
                 self._send_once(t, info, child, data, ready)
                 ok = True
                 break
+            except Unanswered as exc:  # its listener is full: try again before giving up on it
+                why = str(exc)
+                if time.monotonic() - knocked < AUTH_WAIT + 1.0 and not self.closed:
+                    time.sleep(0.1)
+                    continue
             except (TransferError, OSError) as exc:
                 why = str(exc)
             if time.monotonic() >= t.deadline or t.failed is not None or self.closed:
@@ -200,7 +230,10 @@ class DataPlane:
                 self.stats["bypasses"] += 1
                 if new.route.epoch > t.info.route.epoch:
                     t.info = new
-            heirs = [n for n in new.route.downstream(self.index) if n not in t.served]
+            try:
+                heirs = [n for n in new.route.downstream(self.index) if n not in t.served]
+            except RouteError:  # this node was bypassed itself meanwhile: its part is over
+                break
             if not heirs:  # it was a leaf: nothing left to send
                 ok = True
                 break
@@ -227,8 +260,16 @@ class DataPlane:
                         stall=STALL)
 
     def _join(self, t: Transfer) -> bool:
-        for th in list(t.threads):
-            th.join(max(0.0, t.deadline - time.monotonic()) + 1.0)
+        """Wait for every sender of ``t``, those a bypass starts meanwhile too (bounded by its
+        deadline). True when each child got the whole vector."""
+        end = t.deadline + 1.0
+        while True:
+            with self.cond:
+                running = [th for th in t.threads if th.is_alive()]
+            if not running or time.monotonic() >= end:
+                break
+            for th in running:
+                th.join(max(0.0, end - time.monotonic()))
         with self.cond:
             return bool(t.results) and all(t.results.values())
 
@@ -241,6 +282,7 @@ class DataPlane:
         self._join(t)
         with self.cond:
             t.failed = t.failed or "a newer round began"
+            t.reception.close(t.failed)  # a connection of that round still open writes nothing
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ receiving
@@ -264,8 +306,9 @@ class DataPlane:
 
     def _serve(self, conn: socket.socket) -> None:
         try:
+            peer = conn.getpeername()[0]
             receive_vector(conn, None, None, self.secret, ADMIT_WAIT + self.timeout,
-                           admit=self._admit, on_chunk=lambda at, n: self.cond.notify_all(),
+                           admit=lambda h: self._admit(h, peer), on_chunk=self._arrived,
                            lock=self.cond)
         except TransferError as exc:
             log.debug("an incoming transfer ended: %s", exc)
@@ -277,8 +320,15 @@ class DataPlane:
                 self.connections -= 1
                 self.cond.notify_all()
 
-    def _admit(self, h: Header) -> "str | tuple[memoryview, Reception]":
-        """Which reception an incoming transfer feeds, or why it is refused."""
+    def _arrived(self, at: int, n: int) -> None:  # a chunk was taken (the lock is held)
+        if self.current is not None:
+            self.current.progress_at = time.monotonic()
+        self.cond.notify_all()
+
+    def _admit(self, h: Header, peer: str) -> "str | tuple[memoryview, Reception]":
+        """Which reception an incoming transfer feeds, or why it is refused. The sender must be
+        a member above this node, connecting from the host it announced, at a route epoch at
+        which it can be this node's parent (each bypass moves a parent up by one)."""
         if h.job != self.job_id or h.receiver != self.index or h.kind != 0 or h.wire != 0:
             return (f"a transfer for job {h.job!r}, node {h.receiver}, kind {h.kind}, wire "
                     f"{h.wire}; this is job {self.job_id!r}, node {self.index} (broadcasts of "
@@ -291,11 +341,27 @@ class DataPlane:
             if t is None or t.info.round_id != h.round_id or t.failed is not None:
                 return f"this node is not on a route of round {h.round_id} now"
             above = t.info.ancestors(self.index)
-            if h.sender not in above or h.epoch > len(t.info.route.members):
+            if (h.sender not in above or h.epoch < above.index(h.sender)
+                    or h.epoch > len(t.info.route.members)):
                 return (f"node {h.sender} (route epoch {h.epoch}) does not send to node "
                         f"{self.index} in round {h.round_id}")
+            host = t.info.addresses[h.sender].rpartition(":")[0].strip("[]")
+            if not _same_host(host, peer):
+                return f"node {h.sender} announced {host}, not {peer}"
             if t.reception.offset and h.epoch > t.reception.epoch:
                 self.stats["resumed"] += 1
                 log.info("round %d: node %d goes on sending the leader from element %d (route "
                          "epoch %d)", h.round_id, h.sender, t.reception.offset, h.epoch)
             return memoryview(self.stage).cast("B"), t.reception
+
+
+def _same_host(a: str, b: str) -> bool:
+    import ipaddress
+
+    try:
+        ia, ib = ipaddress.ip_address(a), ipaddress.ip_address(b)
+    except ValueError:
+        return False
+    ia = getattr(ia, "ipv4_mapped", None) or ia
+    ib = getattr(ib, "ipv4_mapped", None) or ib
+    return ia == ib

@@ -156,10 +156,17 @@ class Reception:
         self.count = count
         self.epoch = -1
         self.offset = 0  # elements held, from 0
+        self.closed: str | None = None  # why it takes nothing more (its round failed or ended)
+
+    def close(self, why: str) -> None:
+        """Take nothing more: a connection of an ended round still open writes no byte."""
+        self.closed = self.closed or why
 
     def open(self, epoch: int) -> int:
         """A sender of ``epoch`` connects: the offset it must resume from. An older epoch than
         the one taken is refused (its sender was bypassed)."""
+        if self.closed is not None:
+            raise RouteError(f"the transfer is over: {self.closed}")
         if epoch < self.epoch:
             raise RouteError(f"route epoch {epoch} is older than epoch {self.epoch}")
         self.epoch = epoch
@@ -168,6 +175,8 @@ class Reception:
     def accept(self, epoch: int, offset: int, n: int) -> None:
         """A chunk of ``n`` elements at ``offset`` from the sender of ``epoch``; refused unless
         it is the current epoch's and starts where the held prefix ends."""
+        if self.closed is not None:
+            raise RouteError(f"the transfer is over: {self.closed}")
         if epoch != self.epoch:
             raise RouteError(f"a chunk of route epoch {epoch}; epoch {self.epoch} is current")
         if offset != self.offset:

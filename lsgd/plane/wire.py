@@ -48,6 +48,7 @@ ITEMSIZE = {0: 4, 1: 2}  # wire format code: float32, bfloat16
 MAX_CHUNK = 1 << 22  # elements in one chunk (16 MiB of float32)
 MAX_COUNT = 1 << 34  # elements in one vector
 MAX_REASON = 200
+AUTH_WAIT = 2.0  # seconds a receiver waits for a connection's authenticated header
 _HELLO = struct.Struct("<8sB16s")
 _HEADER = struct.Struct("<32sQIBBiiQI")  # job, round, epoch, kind, wire, sender, receiver, count, chunk
 _REPLY = struct.Struct("<BQH")  # status (0 accept, 1 refuse), offset, reason length
@@ -61,6 +62,10 @@ class TransferError(RuntimeError):
 
 class Stalled(TransferError):
     """The peer took nothing (or sent nothing) for the stall time."""
+
+
+class Unanswered(TransferError):
+    """The receiver closed the connection before it said hello (its listener was full)."""
 
 
 @dataclass(frozen=True)
@@ -189,8 +194,16 @@ def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: b
     item = ITEMSIZE[header.wire]
     if len(data) != header.count * item:
         raise TransferError(f"{len(data)} bytes for {header.count} elements of {item} bytes")
-    ch = _Channel(sock, secret, time.monotonic() + timeout, stall)
-    magic, version, nonce = _HELLO.unpack(ch.read(_HELLO.size))
+    # The handshake may wait while the receiver learns its round's route (up to its admit
+    # time): no stall bound until it has answered.
+    ch = _Channel(sock, secret, time.monotonic() + timeout, None)
+    try:
+        hello = ch.read(_HELLO.size)
+    except Stalled:
+        raise
+    except TransferError as exc:
+        raise Unanswered(f"node {header.receiver} did not answer: {exc}") from None
+    magic, version, nonce = _HELLO.unpack(hello)
     if magic != MAGIC or version != VERSION:
         raise TransferError("the peer does not speak lsgd's data protocol (version 1)")
     ch.keyed(nonce)
@@ -205,6 +218,7 @@ def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: b
                             f"{reason.decode(errors='replace')}")
     if offset > header.count:
         raise TransferError(f"node {header.receiver} resumes at {offset} of {header.count}")
+    ch.stall = stall
     while offset < header.count:
         end = min(offset + header.chunk, header.count)
         if chunk_ready is not None:
@@ -233,12 +247,13 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
     n)`` is called for each chunk taken (under the lock), before the next is read: a member
     forwards from there. Returns the header.
     """
-    ch = _Channel(sock, secret, time.monotonic() + timeout)
+    ch = _Channel(sock, secret, time.monotonic() + min(timeout, AUTH_WAIT))
     nonce = os.urandom(NONCE)
     ch.keyed(nonce)
     ch._sendall(_HELLO.pack(MAGIC, VERSION, nonce))
-    raw = ch.read(_HEADER.size)
+    raw = ch.read(_HEADER.size)  # a peer that does not authenticate at once is dropped
     ch.check(TO_RECEIVER, raw)
+    ch.deadline = time.monotonic() + timeout
     header = Header.unpack(raw)
     item = ITEMSIZE[header.wire]
     why = admit(header)
