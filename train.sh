@@ -60,7 +60,7 @@ seed="${SEED:-0}"                   # random seed
 run_dir="${RUN_DIR:-runs/lsgd}"     # outputs: RUN_DIR/node<i>/{metrics.csv,summary.json}
 job_id="${JOB_ID:-lsgd}"            # job name, the same on every node
 wire="${WIRE:-float32}"              # parameter encoding between nodes: float32 | bfloat16
-plane="${PLANE:-star}"              # the leader between nodes: star (via node 0) | chain (node to node)
+plane="${PLANE:-star}"              # leader/sums between nodes: star (via node 0) | chain (node to node)
 data_host="${DATA_HOST:-}"          # PLANE=chain: this node's address for the others (empty: auto)
 # --- security (see README "Security"; `python -m lsgd certs` creates the files) ------------
 secret_file="${SECRET_FILE:-}"      # job secret (or set LSGD_SECRET); needed beyond loopback

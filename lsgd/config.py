@@ -73,9 +73,10 @@ class JobConfig:
                          "after every this many iterations of the job (0: at the end only)")
     wire: str = _f("float32", "parameter encoding between nodes and the global server: float32 | "
                    "bfloat16 (half the bytes, ~3 significant digits; needs lsgd[bf16])")
-    plane: str = _f("star", "how a global round's leader reaches the nodes: star (each node "
-                    "downloads it from the global server) | chain (node to node, each forwarding "
-                    "as it receives: the round time stops growing with the nodes; LSGD)")
+    plane: str = _f("star", "how a global round's parameters move: star (every node "
+                    "downloads the leader from, or uploads its sum to, the global server) | "
+                    "chain (node to node, each forwarding as it receives: LSGD's leader goes down "
+                    "a chain, the center rules' sums add up along one toward node 0)")
     data_host: str | None = _f(None, "PLANE=chain: the IP address other nodes reach this node's "
                                "data listener at (default: the one it reaches node 0 from)")
     secret_file: str | None = _f(None, "file holding the job secret (or set LSGD_SECRET); needed "
@@ -204,8 +205,6 @@ class JobConfig:
             need(v > 0, f"{name} must be > 0 seconds, got {v}")
 
     def _validate_plane(self, need: Any) -> None:
-        from .rules.base import Exchange
-
         need(self.plane in ("star", "chain"),
              f"plane '{self.plane}' is unknown; choose star or chain")
         if self.plane != "chain":
@@ -214,11 +213,11 @@ class JobConfig:
         need(self.tls_ca is None, "PLANE=chain's node-to-node connections are authenticated by "
              "the job secret but not encrypted: with TLS_CA set, use PLANE=star")
         try:
-            leader = self.make_rule().exchange == Exchange.LEADER
+            rounds = self.make_rule().synchronous
         except Exception:  # noqa: BLE001 - the rule's own check reports it below
-            leader = True
-        need(leader, f"PLANE=chain carries a leader from node to node; algorithm "
-             f"'{self.algorithm}' exchanges no leader: set PLANE=star")
+            rounds = True
+        need(rounds, f"PLANE=chain carries a round's leader or sums from node to node; "
+             f"algorithm '{self.algorithm}' has no rounds: set PLANE=star")
         if self.data_host is not None:
             import ipaddress
 

@@ -15,9 +15,10 @@ import time
 import numpy as np
 
 
-def vector(count: int) -> np.ndarray:
-    """The vector the source sends: every element distinct, so a shifted chunk shows."""
-    return np.arange(count, dtype=np.float32) * np.float32(0.5) + np.float32(1.0)
+def vector(count: int, index: int = 0) -> np.ndarray:
+    """The vector the source sends (a reduce: member ``index``'s sum): every element distinct,
+    so a shifted chunk shows."""
+    return (np.arange(count, dtype=np.float32) * np.float32(0.5) + np.float32(1.0)) * np.float32(index + 1)
 
 
 def member(index: int, count: int, delay: float, secret: str | None, conn) -> None:  # noqa: ANN001
@@ -50,8 +51,11 @@ def member(index: int, count: int, delay: float, secret: str | None, conn) -> No
     with lock:
         conn.send(("address", plane.address))
     info = conn.recv()  # the route
-    plane.begin(info)
-    if info.route.root == index:
+    plane.begin(info, own=vector(count, index) if info.reduce else None)
+    if info.reduce:
+        got = plane.reduce()
+        result = ("reduced", None if got is None else bytes(np.asarray(got).tobytes()))
+    elif info.route.root == index:
         ok = plane.send(vector(count))
         result = ("sent", ok)
     else:

@@ -34,7 +34,7 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("ITERATIONS", ""), ("MINUTES", "")), "set an iteration budget"),
     ((("WIRE", "float16"),), "wire 'float16' is unknown; choose float32 or bfloat16"),
     ((("PLANE", "ring"),), "plane 'ring' is unknown; choose star or chain"),
-    ((("PLANE", "chain"), ("ALGORITHM", "easgd")), "algorithm 'easgd' exchanges no leader: set PLANE=star"),
+    ((("PLANE", "chain"), ("ALGORITHM", "easgd-async")), "algorithm 'easgd-async' has no rounds: set PLANE=star"),
     ((("PLANE", "chain"), ("DATA_HOST", "node-1")), "data_host 'node-1' is not an IP address"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):

@@ -1,6 +1,7 @@
 """PLANE=chain end to end: real nodes started with train.sh on loopback pass each global round's
-leader node to node (docs/design-scale.md), and a node lost mid-job leaves the chain without
-stopping it. Mid-transfer kills and hangs are in test_plane_node.py."""
+leader node to node, or add their sums up node to node (docs/design-scale.md), and a node lost
+mid-job leaves the chain without stopping it. Mid-transfer kills and hangs are in
+test_plane_node.py."""
 
 from __future__ import annotations
 
@@ -42,6 +43,26 @@ def test_a_chain_job_passes_every_leader_node_to_node(cluster):
     assert rounds and all(len(ids) == 1 for ids in rounds.values()), rounds  # one leader each
     for node in [n0, *rest]:
         assert "data listener at 127.0.0.1:" in node.output
+    assert_clean_exit(cluster.run_dir, [n0, *rest])
+
+
+@pytest.mark.timeout(150)
+def test_a_chain_job_adds_the_easgd_sums_up_node_to_node(cluster):
+    knobs = dict(NUM_GROUPS=3, WORKERS=2, ITERATIONS=6000, **(TOY | dict(ALGORITHM="easgd")))
+    n0 = cluster(0, PORT=0, **knobs)
+    port = cluster.port_of_node0()
+    rest = [cluster(i, PORT=port, **knobs) for i in (1, 2)]
+    for node in [n0, *rest]:
+        assert node.wait(120) == 0, node.output
+    assert global_summary(cluster.run_dir)["counter"] == 6000
+    stats = {n.index: n.summary()["plane"] for n in [n0, *rest]}
+    # 2 -> 1 -> 0 every global round: node 0 takes the partial sums and uploads the total
+    rounds = stats[0]["received"]
+    assert rounds > 3 and all(s["failed"] == 0 for s in stats.values()), stats
+    assert (stats[1]["received"], stats[1]["sent"], stats[2]["sent"]) == (rounds,) * 3, stats
+    assert stats[0]["sent"] == 0 and stats[2]["received"] == 0
+    # the center the reduces built was trained: evaluated at the end on the toy task
+    assert n0.summary()["evaluation"]["center"]["accuracy"] > 0.9, n0.summary()["evaluation"]
     assert_clean_exit(cluster.run_dir, [n0, *rest])
 
 

@@ -11,6 +11,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from multiprocessing.connection import wait
 
 import numpy as np
@@ -31,7 +32,7 @@ class Chain:
     """Members 0..n-1 in processes; the test process plays the global server."""
 
     def __init__(self, n: int, delays: dict[int, float], timeout: float = 20.0,
-                 count: int = COUNT, chunk: int = CHUNK) -> None:
+                 count: int = COUNT, chunk: int = CHUNK, reduce: bool = False) -> None:
         self.count = count
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
@@ -48,9 +49,11 @@ class Chain:
             assert c.poll(60), f"member {i} did not start"
             kind, address = c.recv()
             self.routes.addresses[i] = address
-        self.info = self.routes.plan(7, list(range(n)), leader_node=0)
-        self.info = RouteInfo(self.info.round_id, self.info.route, self.info.addresses,
-                              self.info.feeds_server, chunk)
+        if reduce:
+            self.info = self.routes.plan_sums(7, {i: 1 for i in range(n)})
+        else:
+            self.info = self.routes.plan(7, list(range(n)), leader_node=0)
+        self.info = replace(self.info, chunk=chunk)
         self.routes.current = self.info
         self.results: dict[int, tuple] = {}
         self.refused: list[str] = []
@@ -78,7 +81,7 @@ class Chain:
                     try:
                         c.send(("route", self.routes.bypass(*value)))
                     except CoordinatorError as exc:
-                        self.refused.append(str(exc))
+                        self.refused.append(f"{exc.code}: {exc}")
                         c.send(("error", str(exc)))
                 elif kind == "done":
                     self.results[open_[c]] = value
@@ -349,3 +352,69 @@ def test_a_bypass_of_the_member_feeding_the_server_moves_the_upload_to_the_repor
     assert new.feeds_server == 2 and new.route.parent == {1: 2}
     assert params.reassign_upload(4, LEADER, 0, 2) and params.exchange.expected == {(2, LEADER)}
     assert not params.reassign_upload(4, LEADER, 0, 2)  # nothing expected from 0 any more
+
+
+
+# ---------------------------------------------------------------- reduce
+def reduced(results, i) -> np.ndarray | None:
+    (kind, value), _ = results[i]
+    assert kind == "reduced"
+    return None if value is None else np.frombuffer(value, dtype=np.float32)
+
+
+def chain_total(n: int) -> np.ndarray:
+    """Member i's sum is vector(i); the chain adds from the far end: 0 + (1 + (2 + ...))."""
+    total = vector(COUNT, n - 1)
+    for i in range(n - 2, -1, -1):
+        total = vector(COUNT, i) + total
+    return total
+
+
+def test_the_sums_add_up_along_a_chain_to_node_0():
+    chain = Chain(4, delays={}, reduce=True)
+    try:
+        assert chain.info.reduce and chain.info.route.parent == {1: 0, 2: 1, 3: 2}
+        assert chain.info.total_summands == 4
+        chain.start()
+        results = chain.finish()
+    finally:
+        chain.close()
+    total = reduced(results, 0)
+    assert total is not None and np.array_equal(total, chain_total(4))
+    assert all(reduced(results, i) is not None for i in (1, 2, 3))  # each did its part
+    assert [results[i][1]["sent"] for i in range(4)] == [0, 1, 1, 1]
+    assert not chain.refused and chain.routes.aborts == 0
+
+
+def test_a_member_killed_mid_reduce_aborts_it_and_no_total_is_made(chain_of):
+    chain = chain_of(4, delays={1: 0.02}, reduce=True)  # member 1 adds slowly: killed part-way
+    chain.start()
+    time.sleep(0.9)
+    os.kill(chain.procs[1].pid, signal.SIGKILL)
+    results = chain.finish()
+    assert reduced(results, 0) is None  # node 0 has no total: nothing goes to the server
+    assert reduced(results, 2) is None  # its send to the dead member failed
+    assert chain.routes.aborts == 1 and chain.routes.current is None
+    assert any(r.startswith("ABORTED") for r in chain.refused), chain.refused
+
+
+def test_an_aborted_reduce_fails_the_rounds_exchange_at_once():
+    """What the servicer does with the abort: the exchange settles, failed, no center moves."""
+    from lsgd.config import JobConfig
+    from lsgd.global_server.params import CENTER, SUM, ParamStore
+    from lsgd.plane.messages import sum_route
+    from lsgd.rules.base import RoundKind
+
+    params = ParamStore(JobConfig(algorithm="average").make_rule())
+    params.set_param_count(10)
+    before = params.buffers[CENTER].copy()
+    route = sum_route(3, {0: (2, 0.0), 1: (2, 0.0), 2: (1, 0.0)},
+                      {0: "127.0.0.1:1", 1: "127.0.0.1:2"})  # node 2 has no address: the star
+    assert route.total_summands == 4 and route.total_weight == 4.0
+    params.begin(3, RoundKind.GLOBAL, None, {0: 2, 1: 2, 2: 1}, 30.0, reduce=route)
+    assert params.exchange.expected == {(0, SUM), (2, SUM)}
+    with pytest.raises(Exception, match="sums 4 participants"):  # node 0 must bring the total
+        params.push(0, 3, SUM, 10, 2, iter([(0, np.ones(10, np.float32).tobytes())]))
+    params.fail(3, "the reduce of round 3 is aborted")
+    assert params.exchange.settled and not params.exchange.sums_ok
+    assert np.array_equal(params.buffers[CENTER], before)

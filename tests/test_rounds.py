@@ -141,7 +141,7 @@ class FakeClient:
         return CreditAnswer(g.grant, r.id if r else 0, int(r.kind) if r else 0,
                             r.iteration if r else 0, self.coord.done)
 
-    def report_round(self, round_id, best, participants):
+    def report_round(self, round_id, best, participants, weight=0.0):
         if round_id in self.lose_report:
             self.lose_report.discard(round_id)
             raise Unavailable()

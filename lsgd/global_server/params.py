@@ -12,10 +12,11 @@ failed, or its deadline passed. Downloads for that round wait until it settles.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -26,6 +27,9 @@ from .buffers import AVERAGE, CENTER, HELD, LEADER, SUM, ParamError, _size, avai
 from .deltas import DeltaLedger, DeltaMixin
 from .mail import Mailboxes
 from .saves import SavedParams
+
+if TYPE_CHECKING:
+    from ..plane.node import RouteInfo
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +48,7 @@ class Exchange:
     participants: dict[int, int] = field(default_factory=dict)  # node -> reported in the round
     average: bool = False  # the sums make an average (final and evaluation rounds)
     sums_ok: bool = True
+    reduce: "RouteInfo | None" = None  # PLANE=chain: the sums come as one total (begin)
     settled: bool = False
     failed: list[str] = field(default_factory=list)
 
@@ -120,7 +125,7 @@ class ParamStore(DeltaMixin, SavedParams):
     # ------------------------------------------------------------------ exchange
     def begin(self, round_id: int, kind: RoundKind, leader_node: int | None,
               reports: dict[int, int], timeout: float, average: bool = False,
-              leader_uploader: int | None = None) -> None:
+              leader_uploader: int | None = None, reduce: "RouteInfo | None" = None) -> None:
         """Start the exchange of a closed global/final round.
 
         Args:
@@ -128,6 +133,8 @@ class ParamStore(DeltaMixin, SavedParams):
             average: every node uploads its sum, to be averaged (a round that evaluates).
             leader_uploader: the node that uploads the leader when not its own node (PLANE=chain:
                 node 0, which got it along the route, beside the server).
+            reduce: the round's sums come along this route (PLANE=chain): its end (node 0)
+                uploads their total, the other members upload nothing.
         """
         average = average or kind == RoundKind.FINAL
         expected: set[tuple[int, str]] = set()
@@ -137,16 +144,30 @@ class ParamStore(DeltaMixin, SavedParams):
                 self.rule.exchange == ExchangeKind.LEADER and len(reports) > 1)):
             expected.add((leader_node if leader_uploader is None else leader_uploader, LEADER))
         if average or self.rule.exchange == ExchangeKind.CENTER:
-            expected |= {(n, SUM) for n, p in reports.items() if p > 0}
+            expected |= {(n, SUM) for n, p in reports.items() if p > 0
+                         if reduce is None or n not in reduce.addresses}
+            if reduce is not None:
+                expected.add((reduce.feeds_server, SUM))
         with self._cond:
             if self.exchange is not None and self.exchange.round_id >= round_id:
                 return
             if any(b == SUM for _, b in expected) and self.param_count:
                 self.buffers[SUM].fill(0.0)
             self.exchange = Exchange(round_id, kind, expected, self.clock() + timeout,
-                                     participants=dict(reports), average=average)
+                                     participants=dict(reports), average=average, reduce=reduce)
             self._maybe_settle()
             self._cond.notify_all()
+
+    def fail(self, round_id: int, why: str) -> None:
+        """The exchange of round ``round_id`` cannot complete (PLANE=chain: its reduce was
+        aborted): it settles now, failed, and changes no center."""
+        with self._cond:
+            ex = self.exchange
+            if ex is not None and ex.round_id == round_id and not ex.settled:
+                ex.failed.append(why)
+                ex.sums_ok = False
+                self._maybe_settle()
+                self._cond.notify_all()
 
     def reassign_upload(self, round_id: int, buffer: str, old: int, new: int) -> bool:
         """Expect ``buffer`` of round ``round_id`` from node ``new`` instead of ``old`` (PLANE=
@@ -254,6 +275,14 @@ class ParamStore(DeltaMixin, SavedParams):
                                      f"no upload of {buffer} from node {node} is expected for "
                                      f"round {round_id} (closed, settled or not elected)")
                 most = ex.participants.get(node, 0)  # a node sums at most what it reported
+                if buffer == SUM and ex.reduce is not None and node == ex.reduce.feeds_server:
+                    r = ex.reduce  # the route's total: exactly what its members reported
+                    if summands != r.total_summands or not math.isclose(
+                            weight or summands, r.total_weight, rel_tol=1e-9):
+                        raise ParamError("INVALID_ARGUMENT", f"the reduce of round {round_id} "
+                                         f"sums {r.total_summands} participants of weight "
+                                         f"{r.total_weight}, not {summands} of {weight}")
+                    most = summands
                 if buffer == SUM and not 1 <= summands <= most:
                     raise ParamError("INVALID_ARGUMENT", f"summands must be in 1..{most} (node "
                                      f"{node}'s participants in round {round_id}), got {summands}")

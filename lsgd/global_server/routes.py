@@ -8,11 +8,13 @@ never touches the data connections).
 from __future__ import annotations
 
 import logging
+import math
 
-from ..plane.messages import PlaneError, check_data_address, leader_route, to_pb
+from ..plane.messages import PlaneError, check_data_address, leader_route, sum_route, to_pb
 from ..proto import lsgd_pb2 as pb
 from ..plane.node import RouteInfo
 from ..plane.route import RouteError, bypass
+from ..rules.base import MAX_WEIGHT, MIN_WEIGHT
 from .records import CoordinatorError
 
 log = logging.getLogger("lsgd.global_server.routes")
@@ -27,6 +29,8 @@ class Routes:
         self.fanout = fanout
         self.current: RouteInfo | None = None
         self.bypasses = 0
+        self.aborts = 0  # reduces aborted
+        self.weights: dict[int, dict[int, float]] = {}  # open round -> node -> its weight
         self._message: tuple[tuple[int, int], pb.DataRoute] | None = None  # to_pb, cached
 
     def note_join(self, index: int, address: str, peer: str) -> None:
@@ -45,6 +49,26 @@ class Routes:
             self.addresses[index] = address
         else:
             self.addresses.pop(index, None)
+
+    def note_weight(self, index: int, round_id: int, participants: int, weight: float) -> None:
+        """A node's report of a global round carries the weight of its sum (0: unweighted);
+        INVALID_ARGUMENT, changing nothing, when it is out of bounds."""
+        if weight and not (math.isfinite(weight) and participants * MIN_WEIGHT <= weight
+                           <= participants * MAX_WEIGHT):
+            raise CoordinatorError("INVALID_ARGUMENT", f"the weight of {participants} "
+                                   f"participants must be in [{participants * MIN_WEIGHT:g}, "
+                                   f"{participants * MAX_WEIGHT:g}], got {weight}")
+        if round_id not in self.weights:
+            self.weights = {round_id: {}}  # only the open round's are kept
+        self.weights[round_id][index] = weight
+
+    def plan_sums(self, round_id: int, reports: dict[int, int]) -> RouteInfo | None:
+        """The reduce route of round ``round_id``'s sums (``reports``: node -> participants),
+        or None (every node uploads its own sum, the star)."""
+        weights = self.weights.pop(round_id, {})
+        self.current = sum_route(round_id, {n: (p, weights.get(n, 0.0)) for n, p in reports.items()},
+                                 self.addresses)
+        return self.current
 
     def plan(self, round_id: int, members: list[int], leader_node: int | None) -> RouteInfo | None:
         """The route of round ``round_id``'s leader among ``members`` (the nodes that reported
@@ -79,6 +103,17 @@ class Routes:
         if r is None or r.round_id != round_id:
             raise CoordinatorError("FAILED_PRECONDITION", f"no route of round {round_id} is "
                                    "current (the round is over)")
+        if index not in r.addresses:
+            raise CoordinatorError("FAILED_PRECONDITION", f"node {index} is not on the route "
+                                   f"of round {round_id}")
+        if r.reduce:  # nothing to bypass: the partial sums in flight hold the member's sum
+            self.aborts += 1
+            log.warning("round %d: the reduce of the sums is aborted: node %d could not go on "
+                        "with node %d (%s)", round_id, index, stalled,
+                        why.encode("ascii", "replace").decode()[:MAX_WHY])
+            self.current = None
+            raise CoordinatorError("ABORTED", f"the reduce of round {round_id} is aborted; its "
+                                   "exchange is skipped")
         if epoch > r.route.epoch:
             raise CoordinatorError("INVALID_ARGUMENT", f"route epoch {epoch} was never issued "
                                    f"(newest {r.route.epoch})")

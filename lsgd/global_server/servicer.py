@@ -132,13 +132,20 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         if rnd.checkpoint:
             self.checkpoint_due = (rnd.id, self.coord.state(self.clock()))
             self.checkpoint_since = self.clock()
+        reports = {i: p for i, (_, p) in rnd.reports.items()}
         route = None
         if rnd.kind == RoundKind.GLOBAL and self.params.rule.exchange == ExchangeKind.LEADER:
-            route = self.routes.plan(rnd.id, list(rnd.reports), rnd.leader_node)
-        self.params.begin(rnd.id, rnd.kind, rnd.leader_node,
-                          {i: p for i, (_, p) in rnd.reports.items()}, self.round_timeout,
+            route = self.routes.plan(rnd.id, [n for n, p in reports.items() if p > 0],
+                                     rnd.leader_node)
+        elif rnd.kind == RoundKind.GLOBAL and self.params.rule.synchronous:
+            route = self.routes.plan_sums(rnd.id, reports)
+        else:
+            self.routes.current = None
+        leader_route = route is not None and not route.reduce
+        self.params.begin(rnd.id, rnd.kind, rnd.leader_node, reports, self.round_timeout,
                           average=rnd.evaluate,
-                          leader_uploader=route.feeds_server if route is not None else None)
+                          leader_uploader=route.feeds_server if leader_route else None,
+                          reduce=route if route is not None and route.reduce else None)
 
     def _change(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the state (lock held); wake the long-polls only if it changed something.
@@ -298,6 +305,10 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         try:
             with self.cond:
                 self._check(node)
+                if request.weight:  # before the report, which may close the round and plan it
+                    self.coord._node(node.node_index, node.session, self.clock())
+                    self.routes.note_weight(node.node_index, request.round_id,
+                                            request.participants, request.weight)
                 # if this report closes the round, its waiters wake
                 out = self._change(lambda: self.coord.report(
                     node.node_index, node.session, request.round_id, best,
@@ -331,8 +342,13 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             index = request.node.node_index
             self.coord._node(index, request.node.session, self.clock())
             before = self.routes.current
-            info = self.routes.bypass(index, request.round_id, request.epoch, request.stalled,
-                                      request.why)
+            try:
+                info = self.routes.bypass(index, request.round_id, request.epoch,
+                                          request.stalled, request.why)
+            except CoordinatorError as exc:
+                if exc.code == "ABORTED":  # a reduce: the round's exchange is skipped now
+                    self.params.fail(request.round_id, str(exc))
+                raise
             if (before is not None and info is not before
                     and info.feeds_server != before.feeds_server
                     and not self.params.reassign_upload(request.round_id, LEADER,

@@ -16,7 +16,7 @@ import numpy as np
 from ..plane.messages import PlaneError, from_pb
 from ..plane.node import DataPlane, RouteInfo
 from ..rules import ops
-from ..rules.base import GLOBAL_LEADER, LOCAL_LEADER, Exchange, RoundKind
+from ..rules.base import GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind
 from .global_client import RPC_TIMEOUT, RoundAnswer
 
 log = logging.getLogger("lsgd.local_server.server")
@@ -79,8 +79,23 @@ class ChainMixin:
         if info is None or info.round_id != rid or self.cfg.node_index not in info.addresses:
             return None
         with self.liveness.blocking(self.plane.timeout + 5):  # the last round's sends end
-            self.plane.begin(info)
+            self.plane.begin(info, own=self.store.buffer(SUM) if info.reduce else None)
         return info
+
+    def _push_sum(self, rid: int, route: RouteInfo | None, summands: int, weight: float) -> bool:
+        """The node's sum to the server: on the star, or into the round's reduce (PLANE=chain),
+        whose end uploads the total. True when this node's part went through."""
+        if route is None or not route.reduce:
+            return self._push(SUM, SUM, rid, summands=summands, weight=weight)
+        assert self.plane is not None
+        with self.liveness.blocking(self.plane.timeout + 5):
+            total = self.plane.reduce()
+        if total is None:
+            return False
+        if route.feeds_server != self.cfg.node_index:
+            return True
+        return self._push(None, SUM, rid, summands=route.total_summands,
+                          weight=route.total_weight, vec=total)
 
     def _send_down_route(self, rid: int, slot: np.ndarray) -> np.ndarray:
         """The source: the leader (``slot``) is staged (its worker trains on meanwhile) and sent

@@ -183,8 +183,10 @@ class GlobalClient:
         return CreditAnswer(resp.grant, resp.round.id, resp.round.kind, resp.round.iteration,
                             resp.counter)
 
-    def report_round(self, round_id: int, best: Candidate | None, participants: int) -> RoundAnswer:
-        req = pb.ReportRoundRequest(node=self._node(), round_id=round_id, participants=participants)
+    def report_round(self, round_id: int, best: Candidate | None, participants: int,
+                     weight: float = 0.0) -> RoundAnswer:
+        req = pb.ReportRoundRequest(node=self._node(), round_id=round_id, participants=participants,
+                                    weight=weight)
         if best is not None:
             req.has_best = True
             req.best.worker_id = best.worker_id

@@ -72,7 +72,7 @@ class RoundMixin:
         center = self.rule.exchange == Exchange.CENTER and kind == RoundKind.GLOBAL
         after = center and self.rule.pull_after_exchange  # pulls toward this round's center
         weight = self._sum_slots(joins, weighted=True) if center and joins else 0.0
-        answer = self._report(rid, best, len(joins))
+        answer = self._report(rid, best, len(joins), weight)
         exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
         self.view.on_round(rid, kind.name.lower(), answer.leader if exchanged else None,
                            answer.leader_node if exchanged else None)
@@ -89,7 +89,7 @@ class RoundMixin:
             if lx.upload:  # an evaluation round's exchange settles only with the leader in
                 self._push(lx.source, GLOBAL_LEADER, rid, vec=lx.staged)
                 lx.upload = False
-            if self._push(SUM, SUM, rid, summands=len(joins), weight=weight) and self._free(CENTER, rid):
+            if self._push_sum(rid, lx.route, len(joins), weight) and self._free(CENTER, rid):
                 fresh_center = self._pull(CENTER, CENTER, rid)
         for i in joins:
             roles = RoundRoles(self.workers[i].worker_id, local_lead, global_leader,
@@ -102,7 +102,7 @@ class RoundMixin:
         resets = self._reset_sick(rid, kind, sick, local_lead is not None)
         self._leader_send(rid, lx)  # uploads, and down the route, while the workers pull
         if (center or evaluate) and not after and joins and exchanged:
-            self._push(SUM, SUM, rid, summands=len(joins), weight=weight)
+            self._push_sum(rid, lx.route, len(joins), weight)
         dones = self._collect_dones(rid, set(joins) | set(sick))
         if center and not after and exchanged and self._free(CENTER, rid):  # after the pulls
             fresh_center = self._pull(CENTER, CENTER, rid)  # toward the old one (EASGD)
@@ -232,10 +232,10 @@ class RoundMixin:
             log.warning("round %d: worker(s) %s did not finish their pulls in time", rid, late)
         return dones
 
-    def _report(self, rid: int, best: Candidate | None, participants: int):
+    def _report(self, rid: int, best: Candidate | None, participants: int, weight: float = 0.0):
         try:
             with self._network_call():  # a global round's barrier: up to round_timeout
-                answer = self.client.report_round(rid, best, participants)
+                answer = self.client.report_round(rid, best, participants, weight)
         except grpc.RpcError as exc:
             if exc.code() in RECOVERABLE - {grpc.StatusCode.DEADLINE_EXCEEDED}:
                 self._detach(f"{exc.code().name}: {exc.details()}")

@@ -5,6 +5,7 @@ Every field is bounded on both sides."""
 from __future__ import annotations
 
 import ipaddress
+import math
 import urllib.parse
 
 from ..proto import lsgd_pb2 as pb
@@ -62,7 +63,9 @@ def to_pb(info: RouteInfo | None) -> pb.DataRoute:
     members += [pb.RouteMember(node=n, parent=r.parent[n], address=info.addresses[n])
                 for n in sorted(r.parent)]
     return pb.DataRoute(round_id=info.round_id, epoch=r.epoch, members=members,
-                        feeds_server=info.feeds_server, chunk_elements=info.chunk)
+                        feeds_server=info.feeds_server, chunk_elements=info.chunk,
+                        reduce=info.reduce, total_summands=info.total_summands,
+                        total_weight=info.total_weight)
 
 
 def from_pb(msg: pb.DataRoute, num_groups: int) -> RouteInfo | None:
@@ -94,9 +97,14 @@ def from_pb(msg: pb.DataRoute, num_groups: int) -> RouteInfo | None:
         raise PlaneError(f"chunk of {msg.chunk_elements} elements, outside 1..{MAX_CHUNK}")
     if msg.feeds_server not in nodes:
         raise PlaneError(f"the member feeding the server, {msg.feeds_server}, is not on the route")
-    route = Route(Kind.BROADCAST, root.node, parent, epoch=msg.epoch)
+    if msg.reduce and (msg.feeds_server != root.node or msg.epoch
+                       or not math.isfinite(msg.total_weight) or msg.total_weight < 0):
+        raise PlaneError("a reduce ends at the member feeding the server, at epoch 0, with a "
+                         "finite total weight")
+    route = Route(Kind.REDUCE if msg.reduce else Kind.BROADCAST, root.node, parent,
+                  epoch=msg.epoch)
     return RouteInfo(msg.round_id, route, {m.node: m.address for m in msg.members},
-                     msg.feeds_server, msg.chunk_elements)
+                     msg.feeds_server, msg.chunk_elements, msg.total_summands, msg.total_weight)
 
 
 def leader_route(round_id: int, members: list[int], source: int,
@@ -113,3 +121,20 @@ def leader_route(round_id: int, members: list[int], source: int,
     route = plan(Kind.BROADCAST, on, source, fanout)
     return RouteInfo(round_id, route, {n: addresses[n] for n in on},
                      feeds_server=0 if 0 in on else source, chunk=CHUNK)
+
+
+def sum_route(round_id: int, sums: dict[int, tuple[int, float]],
+              addresses: dict[int, str]) -> RouteInfo | None:
+    """The route of a round's sums: ``sums`` maps each node that reported to (participants,
+    weight). A chain of the nodes with participants and a data address ends at node 0, which
+    adds its own sum and uploads the total; None when node 0 is not among them or fewer than
+    two are (their sums go to the server each, the star)."""
+    from .route import plan
+
+    on = [n for n, (p, _) in sorted(sums.items()) if p > 0 and n in addresses]
+    if 0 not in on or len(on) < 2:
+        return None
+    route = plan(Kind.REDUCE, on, 0, 1)
+    return RouteInfo(round_id, route, {n: addresses[n] for n in on}, feeds_server=0,
+                     chunk=CHUNK, total_summands=sum(sums[n][0] for n in on),
+                     total_weight=math.fsum(sums[n][1] or sums[n][0] for n in on))

@@ -29,7 +29,7 @@ from typing import Callable
 import numpy as np
 
 from ..wire import aligned_empty
-from .route import Reception, Route, RouteError
+from .route import Kind, Reception, Route, RouteError
 from .wire import (AUTH_WAIT, Header, TransferError, Unanswered, as_bytes, receive_vector,
                    send_vector)
 
@@ -53,6 +53,12 @@ class RouteInfo:
     addresses: dict[int, str]
     feeds_server: int
     chunk: int = CHUNK
+    total_summands: int = 0  # a reduce: what the total it brings the server sums up
+    total_weight: float = 0.0
+
+    @property
+    def reduce(self) -> bool:
+        return self.route.kind == Kind.REDUCE
 
     def ancestors(self, node: int) -> list[int]:
         """The members above ``node``, nearest first (any may send to it after bypasses)."""
@@ -73,6 +79,7 @@ class Transfer:
         self.progress_at = time.monotonic()  # when the last chunk (or the route) arrived
         self.failed: str | None = None
         self.served: set[int] = set()  # children a sender thread was started for
+        self.aborted = False  # a reduce that failed here was reported to the server
         self.threads: list[threading.Thread] = []
         self.results: dict[int, bool] = {}  # child -> whether it got the whole vector
 
@@ -104,18 +111,41 @@ class DataPlane:
         self._acceptor.start()
 
     # ------------------------------------------------------------------ the node loop's side
-    def begin(self, info: RouteInfo) -> None:
-        """Take part in round ``info.round_id``'s broadcast: a member starts forwarding to its
-        children as soon as chunks arrive. Waits (bounded) for the last round's senders, which
+    def begin(self, info: RouteInfo, own: np.ndarray | None = None) -> None:
+        """Take part in round ``info.round_id``'s transfer. Broadcast: a member starts
+        forwarding to its children as soon as chunks arrive. Reduce: ``own`` is this node's
+        sum; the staging buffer starts from it, incoming partial sums are added to it chunk by
+        chunk, and each chunk goes on toward the route's end once added (a member with nothing
+        upstream sends its own at once). Waits (bounded) for the last round's senders, which
         read the staging buffer."""
         self._finish_previous()
         t = Transfer(info, self.count, time.monotonic() + self.timeout)
+        if info.reduce:
+            assert own is not None and own.size == self.count
+            np.copyto(self.stage, own)
         with self.cond:
             self.current = t
             self.cond.notify_all()
-        if self.index != info.route.root:
+        ready = self._ready(t) if info.route.upstream(self.index) else None
+        if info.reduce or self.index != info.route.root:
             for child in info.route.downstream(self.index):
-                self._start_sender(t, child, as_bytes(self.stage), ready=self._ready(t))
+                self._start_sender(t, child, as_bytes(self.stage), ready=ready)
+
+    def reduce(self) -> np.ndarray | None:
+        """A reduce: wait until this node's part is done (its partial sum sent on; at the
+        route's end, the total received). Returns the staging buffer (at the end: the total)
+        or None when the reduce failed: the server was told, and skips the round's exchange."""
+        t = self.current
+        assert t is not None and t.info.reduce
+        if t.info.route.upstream(self.index) and self.receive() is None:
+            self._abort(t, "no whole partial sum arrived")
+            return None
+        if not t.info.route.downstream(self.index):
+            return self.stage
+        if self._join(t):
+            return self.stage
+        self._abort(t, "the partial sum could not be sent on")
+        return None
 
     def send(self, vec: np.ndarray) -> bool:
         """The source: send ``vec`` (whole) to the route's first members and wait for them.
@@ -214,6 +244,9 @@ class DataPlane:
                     continue
             except (TransferError, OSError) as exc:
                 why = str(exc)
+            if info.reduce:  # no bypass: the server skips the exchange
+                self._abort(t, f"sending to node {child} failed: {why}", child)
+                break
             if time.monotonic() >= t.deadline or t.failed is not None or self.closed:
                 log.warning("round %d: sending the leader to node %d failed: %s",
                             info.round_id, child, why)
@@ -253,8 +286,8 @@ class DataPlane:
         left = t.deadline - time.monotonic()
         if left <= 0:
             raise TransferError("the round's deadline passed")
-        header = Header(self.job_id, info.round_id, info.route.epoch, 0, 0, self.index, child,
-                        self.count, info.chunk)
+        header = Header(self.job_id, info.round_id, info.route.epoch, int(info.reduce), 0,
+                        self.index, child, self.count, info.chunk)
         with socket.create_connection((host.strip("[]"), int(port)), timeout=min(STALL, left)) as s:
             send_vector(s, header, data, self.secret, timeout=left, chunk_ready=ready,
                         stall=STALL)
@@ -272,6 +305,25 @@ class DataPlane:
                 th.join(max(0.0, end - time.monotonic()))
         with self.cond:
             return bool(t.results) and all(t.results.values())
+
+    def _abort(self, t: Transfer, why: str, stalled: int | None = None) -> None:
+        """A reduce failed here: stop every part of it on this node (which breaks the
+        neighbours' connections in turn) and tell the server once, which skips the exchange."""
+        with self.cond:
+            t.failed = t.failed or why
+            t.reception.close(t.failed)
+            self.cond.notify_all()
+            if t.aborted:
+                return
+            t.aborted = True
+        if stalled is None:
+            near = t.info.route.upstream(self.index) or t.info.route.downstream(self.index)
+            stalled = near[0] if near else self.index
+        log.warning("round %d: the reduce of the sums failed here (%s)", t.info.round_id, why)
+        try:
+            self.bypass(t.info.round_id, 0, stalled, why)
+        except Exception as exc:  # noqa: BLE001 - the answer is the abort itself
+            log.debug("round %d: abort answered: %s", t.info.round_id, exc)
 
     def _finish_previous(self) -> None:
         """The last round's senders finish (at its deadline at the latest) before the staging
@@ -307,11 +359,14 @@ class DataPlane:
     def _serve(self, conn: socket.socket) -> None:
         try:
             peer = conn.getpeername()[0]
+            fed: list[Transfer] = []  # the transfer this connection was admitted to
             receive_vector(conn, None, None, self.secret, ADMIT_WAIT + self.timeout,
-                           admit=lambda h: self._admit(h, peer), on_chunk=self._arrived,
-                           lock=self.cond)
+                           admit=lambda h: self._admit(h, peer, fed), on_chunk=self._arrived,
+                           lock=self.cond, add=lambda h: bool(fed) and fed[0].info.reduce)
         except TransferError as exc:
             log.debug("an incoming transfer ended: %s", exc)
+            if fed and fed[0].info.reduce and not fed[0].reception.complete:
+                self._abort(fed[0], f"the partial sum from upstream broke: {exc}")
         except OSError as exc:
             log.debug("an incoming connection broke: %s", exc)
         finally:
@@ -325,14 +380,14 @@ class DataPlane:
             self.current.progress_at = time.monotonic()
         self.cond.notify_all()
 
-    def _admit(self, h: Header, peer: str) -> "str | tuple[memoryview, Reception]":
+    def _admit(self, h: Header, peer: str,
+               fed: list[Transfer]) -> "str | tuple[memoryview, Reception]":
         """Which reception an incoming transfer feeds, or why it is refused. The sender must be
         a member above this node, connecting from the host it announced, at a route epoch at
         which it can be this node's parent (each bypass moves a parent up by one)."""
-        if h.job != self.job_id or h.receiver != self.index or h.kind != 0 or h.wire != 0:
+        if h.job != self.job_id or h.receiver != self.index or h.kind not in (0, 1) or h.wire != 0:
             return (f"a transfer for job {h.job!r}, node {h.receiver}, kind {h.kind}, wire "
-                    f"{h.wire}; this is job {self.job_id!r}, node {self.index} (broadcasts of "
-                    "float32 only)")
+                    f"{h.wire}; this is job {self.job_id!r}, node {self.index} (float32 only)")
         with self.cond:
             self.cond.wait_for(lambda: self.closed or (self.current is not None
                                                        and self.current.info.round_id >= h.round_id),
@@ -340,14 +395,19 @@ class DataPlane:
             t = self.current
             if t is None or t.info.round_id != h.round_id or t.failed is not None:
                 return f"this node is not on a route of round {h.round_id} now"
-            above = t.info.ancestors(self.index)
-            if (h.sender not in above or h.epoch < above.index(h.sender)
+            if t.info.reduce != bool(h.kind):
+                return f"round {h.round_id}'s route is {t.info.route.kind.value}, not kind {h.kind}"
+            above = ([] if t.info.reduce else t.info.ancestors(self.index))
+            if t.info.reduce and h.sender in t.info.route.upstream(self.index) and h.epoch == 0:
+                pass  # a reduce has no bypass: only the member below, at epoch 0
+            elif (h.sender not in above or h.epoch < above.index(h.sender)
                     or h.epoch > len(t.info.route.members)):
                 return (f"node {h.sender} (route epoch {h.epoch}) does not send to node "
                         f"{self.index} in round {h.round_id}")
             host = t.info.addresses[h.sender].rpartition(":")[0].strip("[]")
             if not _same_host(host, peer):
                 return f"node {h.sender} announced {host}, not {peer}"
+            fed.append(t)
             if t.reception.offset and h.epoch > t.reception.epoch:
                 self.stats["resumed"] += 1
                 log.info("round %d: node %d goes on sending the leader from element %d (route "

@@ -234,7 +234,8 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
                    secret: bytes | None, timeout: float,
                    admit: Callable[[Header], "str | None | tuple[memoryview, Reception]"],
                    on_chunk: Callable[[int, int], None] | None = None,
-                   lock: "threading.Lock | None" = None) -> Header:
+                   lock: "threading.Lock | None" = None,
+                   add: Callable[[Header], bool] | None = None) -> Header:
     """Receive one transfer into ``out`` (the staging buffer, raw bytes of the whole vector).
 
     ``admit(header)`` returns a one-line reason to refuse, or None to accept into ``out`` and
@@ -245,7 +246,8 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
     connections may feed one reception (a bypassed sender's and its replacement's), and none
     writes a byte of ``out`` that is not the current epoch's next chunk. ``on_chunk(offset,
     n)`` is called for each chunk taken (under the lock), before the next is read: a member
-    forwards from there. Returns the header.
+    forwards from there. ``add(header)`` True: each chunk is added (float32) to what ``out``
+    holds there instead of replacing it (a reduce). Returns the header.
     """
     ch = _Channel(sock, secret, time.monotonic() + min(timeout, AUTH_WAIT))
     nonce = os.urandom(NONCE)
@@ -275,6 +277,9 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
         ch.send(TO_SENDER, _REPLY.pack(1, 0, len(reason)), reason)
         raise TransferError(f"refused node {header.sender}'s transfer: {why}")
     ch.send(TO_SENDER, _REPLY.pack(0, offset, 0), b"")
+    adding = add is not None and add(header)
+    if adding and header.wire != 0:
+        raise TransferError("a reduce is float32")
     bounce = memoryview(bytearray(min(header.chunk, header.count) * item))
     while True:
         with guard:
@@ -293,7 +298,11 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
                 reception.accept(header.epoch, at, n)
             except RouteError as exc:
                 raise TransferError(f"node {header.sender}: {exc}") from None
-            out[at * item:(at + n) * item] = view
+            if adding:
+                region = np.frombuffer(out[at * item:(at + n) * item], dtype="<f4")
+                np.add(region, np.frombuffer(view, dtype="<f4"), out=region)
+            else:
+                out[at * item:(at + n) * item] = view
             if on_chunk is not None:
                 on_chunk(at, n)
     ch.send(TO_SENDER, _DONE.pack(0))

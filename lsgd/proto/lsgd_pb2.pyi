@@ -243,18 +243,20 @@ class Candidate(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class ReportRoundRequest(_message.Message):
-    __slots__ = ("node", "round_id", "best", "has_best", "participants")
+    __slots__ = ("node", "round_id", "best", "has_best", "participants", "weight")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
     HAS_BEST_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     round_id: int
     best: Candidate
     has_best: bool
     participants: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ...) -> None: ...
+    weight: float
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
     __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes", "evaluate", "checkpoint", "stopped", "route")
@@ -291,18 +293,24 @@ class RouteMember(_message.Message):
     def __init__(self, node: _Optional[int] = ..., parent: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class DataRoute(_message.Message):
-    __slots__ = ("round_id", "epoch", "members", "feeds_server", "chunk_elements")
+    __slots__ = ("round_id", "epoch", "members", "feeds_server", "chunk_elements", "reduce", "total_summands", "total_weight")
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     FEEDS_SERVER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SUMMANDS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_WEIGHT_FIELD_NUMBER: _ClassVar[int]
     round_id: int
     epoch: int
     members: _containers.RepeatedCompositeFieldContainer[RouteMember]
     feeds_server: int
     chunk_elements: int
-    def __init__(self, round_id: _Optional[int] = ..., epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[RouteMember, _Mapping]]] = ..., feeds_server: _Optional[int] = ..., chunk_elements: _Optional[int] = ...) -> None: ...
+    reduce: bool
+    total_summands: int
+    total_weight: float
+    def __init__(self, round_id: _Optional[int] = ..., epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[RouteMember, _Mapping]]] = ..., feeds_server: _Optional[int] = ..., chunk_elements: _Optional[int] = ..., reduce: _Optional[bool] = ..., total_summands: _Optional[int] = ..., total_weight: _Optional[float] = ...) -> None: ...
 
 class BypassRequest(_message.Message):
     __slots__ = ("node", "round_id", "epoch", "stalled", "why")
