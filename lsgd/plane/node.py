@@ -89,7 +89,7 @@ class DataPlane:
 
     def __init__(self, *, job_id: str, index: int, count: int, secret: str | None, host: str,
                  timeout: float,
-                 bypass: Callable[[int, int, int, str], RouteInfo]) -> None:
+                 bypass: Callable[[int, int, int, str], RouteInfo], port: int = 0) -> None:
         self.job_id, self.index, self.count = job_id, index, count
         self.secret = secret.encode() if secret else None
         self.timeout = timeout  # a transfer's whole deadline
@@ -100,7 +100,7 @@ class DataPlane:
         self.connections = 0
         self.closed = False
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.sock = socket.create_server((host, 0), family=family)
+        self.sock = socket.create_server((host, port), family=family)
         self.sock.settimeout(0.5)
         port = self.sock.getsockname()[1]
         self.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -304,7 +304,8 @@ class DataPlane:
             for th in running:
                 th.join(max(0.0, end - time.monotonic()))
         with self.cond:
-            return bool(t.results) and all(t.results.values())
+            return all(t.results.values()) and len(t.results) >= len(
+                [th for th in t.threads])  # every sender told its outcome
 
     def _abort(self, t: Transfer, why: str, stalled: int | None = None) -> None:
         """A reduce failed here: stop every part of it on this node (which breaks the
