@@ -48,6 +48,7 @@ N = 25_000_000  # float32 parameters
 NBYTES = N * 4  # 100 MB
 GB, MB = 1e9, 1e6
 GOAL_GBPS, GOAL_TCP_FRACTION, GOAL_MEM_MB = 1.0, 0.40, 64.0
+PLANE_GOAL = 0.8  # issue 15: bulk transfers node to node at >= 0.8x a plain TCP socket
 
 # ---------------------------------------------------------------------------- TCP baseline
 _TCP_RECEIVER = r"""
@@ -321,6 +322,61 @@ def bf16_available() -> bool:
     return True
 
 
+def _plane_receiver(count: int, secret: str | None, conn: Any) -> None:
+    """Node 1 of the data-connection rows: a ``DataPlane`` that takes each round's vector."""
+    from lsgd.plane.node import DataPlane
+
+    def refuse(*args: Any) -> Any:
+        raise RuntimeError("no bypass here")
+
+    plane = DataPlane(job_id="bench", index=1, count=count, secret=secret, host="127.0.0.1",
+                      timeout=60.0, bypass=refuse)
+    conn.send(plane.address)
+    while (info := conn.recv()) is not None:
+        plane.begin(info)
+        got = plane.receive()
+        conn.send(None if got is None else float(got[-1]))
+    plane.close()
+
+
+def data_connection_rounds(src: np.ndarray, reps: int, secret: str | None) -> list[float]:
+    """PLANE=chain's data connection (``lsgd/plane/node.py``), node 0 -> node 1 on loopback:
+    seconds per 100 MB transfer, from the send's start to node 1's acknowledgement (its
+    ``DONE``), in a process of its own. With a secret every chunk carries an HMAC-SHA256."""
+    from lsgd.plane.node import DataPlane, RouteInfo
+    from lsgd.plane.route import Kind, plan
+
+    def refuse(*args: Any) -> Any:
+        raise RuntimeError("no bypass here")
+
+    ctx = mp.get_context("spawn")
+    here, there = ctx.Pipe()
+    child = ctx.Process(target=_plane_receiver, args=(src.size, secret, there), daemon=True)
+    child.start()
+    plane = DataPlane(job_id="bench", index=0, count=src.size, secret=secret, host="127.0.0.1",
+                      timeout=60.0, bypass=refuse)
+    times = []
+    try:
+        other = here.recv()
+        for r in range(1, reps + 1):
+            info = RouteInfo(r, plan(Kind.BROADCAST, [0, 1], 0), {0: plane.address, 1: other}, 0)
+            here.send(info)
+            plane.begin(info)
+            t0 = time.perf_counter()
+            if not plane.send(src):
+                raise RuntimeError("the data connection failed")
+            times.append(time.perf_counter() - t0)
+            if here.recv() != float(src[-1]):
+                raise RuntimeError("the vector arrived changed")
+        here.send(None)
+    finally:
+        plane.close()
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    return times
+
+
 def measure(quick: bool) -> dict[str, Any]:
     from lsgd.local_server.global_client import GlobalClient
     from lsgd.local_server.store import NodeStore, StoreLayout
@@ -361,6 +417,8 @@ def measure(quick: bool) -> dict[str, Any]:
         if bf16_available():
             out["bfloat16"] = grpc_rounds(node, src, dst, rounds, "bfloat16")
             out["bfloat16"]["memory"] = memory_round(node, src, dst, proc.pid, "bfloat16")
+        out["plane_s"] = data_connection_rounds(src, rounds, None)
+        out["plane_mac_s"] = data_connection_rounds(src, rounds, "bench secret of 32 characters!!")
         for _ in range(tcp_reps - tcp_reps // 2):
             tcp.send()
         out["tcp_s"] = tcp.times
@@ -394,6 +452,16 @@ def run(quick: bool) -> list[Result]:
             met=gbps >= GOAL_GBPS and ratio >= GOAL_TCP_FRACTION,
             extra={"seconds": [round(s, 4) for s in f32[key]],
                    "tcp_seconds": [round(s, 4) for s in m["tcp_s"]], "rounds": m["rounds"]}))
+    for key, what in (("plane_s", "no secret (a loopback job)"),
+                      ("plane_mac_s", "job secret: an HMAC-SHA256 per 256 KiB chunk")):
+        gbps = NBYTES / statistics.median(m[key]) / GB
+        results.append(Result(
+            TARGET, f"PLANE=chain data connection, 100 MB node to node, {what}", round(gbps, 3),
+            "GB/s", baseline=round(tcp, 3),
+            baseline_name="plain TCP socket, 100 MB sendall/recv_into",
+            ratio=round(gbps / tcp, 3), ratio_note="value / baseline",
+            goal=f">= {PLANE_GOAL:.0%} of TCP (issue 15)", met=gbps / tcp >= PLANE_GOAL,
+            extra={"seconds": [round(x, 4) for x in m[key]]}))
     for side in ("client", "server"):
         peak = max(mem[f"{side}_push"], mem[f"{side}_pull"]) / MB
         results.append(Result(

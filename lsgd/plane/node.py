@@ -95,6 +95,7 @@ class DataPlane:
         self.timeout = timeout  # a transfer's whole deadline
         self.bypass = bypass  # (round, epoch, stalled, why) -> the new route; raises if refused
         self.stage = aligned_empty(count, np.float32)
+        self.stage.fill(0.0)  # its pages are faulted in now, not during the first transfer
         self.cond = threading.Condition()
         self.current: Transfer | None = None
         self.connections = 0
