@@ -3,6 +3,7 @@
 - ``raw``: receive a vector (unless it is the source) and forward it chunk by chunk to the
   nodes it sends to, over lsgd's data connection (``lsgd/plane/wire.py``). One transfer, and
   the star broadcast (node 0 sends to all at once, as the global server's link does today).
+- ``tcp``: a plain TCP socket from node 0 to node 1, the bulk-transfer baseline.
 - ``gather``: the star reduce: every node sends its vector to node 0 at once, which takes
   them all in (as the global server takes every node's sum today).
 - ``chain`` / ``reduce``: lsgd's own parameter plane (``lsgd/plane/node.py``, what a node runs
@@ -85,6 +86,29 @@ def raw(spec: dict, buf: np.ndarray) -> None:
         raise errors[0]
 
 
+def tcp(spec: dict, buf: np.ndarray) -> None:
+    """A plain TCP socket, node 0 -> node 1: ``sendall`` / ``recv_into``, a 1-byte ack."""
+    data = as_bytes(buf)
+    if spec["node"] == 1:
+        with socket.create_server((spec["ips"][1], spec["port"])) as listener:
+            conn, _ = listener.accept()
+            with conn:
+                view, got = memoryview(bytearray(len(data))), 0
+                while got < len(view):
+                    n = conn.recv_into(view[got:])
+                    if n == 0:
+                        raise RuntimeError("the sender closed early")
+                    got += n
+                conn.sendall(b"k")
+        return
+    time.sleep(max(0.0, spec["start_at"] - time.time()))
+    with connect(spec["ips"][1], spec["port"]) as sock:
+        sock.settimeout(spec["timeout"])
+        sock.sendall(data)
+        if sock.recv(1) != b"k":
+            raise RuntimeError("no ack")
+
+
 def gather(spec: dict, buf: np.ndarray) -> None:
     count, chunk, secret = spec["count"], spec["chunk"], spec["secret"].encode()
     ips, me = spec["ips"], spec["node"]
@@ -157,6 +181,8 @@ def main(spec: dict) -> None:
     got = None
     if mode == "raw":
         raw(spec, buf)
+    elif mode == "tcp":
+        tcp(spec, buf)
     elif mode == "gather":
         gather(spec, buf)
     else:
