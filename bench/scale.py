@@ -42,6 +42,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -314,6 +315,23 @@ def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
         return None
 
 
+PROFILE_DIR = os.environ.get("LSGD_BENCH_PROFILE")  # a folder: py-spy the global server there
+
+
+def _profile(pid: int, name: str) -> subprocess.Popen | None:
+    """With LSGD_BENCH_PROFILE=<dir> (and py-spy installed; it is not a dependency): sample
+    the global server for the whole scenario into ``<dir>/<scenario>.txt`` (collapsed stacks of
+    the thread holding the GIL, i.e. where its Python CPU goes: ``python -m
+    bench.profile_summary <file>`` reads them)."""
+    if not PROFILE_DIR or shutil.which("py-spy") is None:
+        return None
+    Path(PROFILE_DIR).mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--rate", "200", "--format",
+                             "raw", *os.environ.get("LSGD_BENCH_PROFILE_ARGS", "--gil").split(), "--output",
+                             str(Path(PROFILE_DIR) / f"{name}.txt")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def _pct(values: list[float], q: float) -> float:
     import numpy as np
 
@@ -402,6 +420,7 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
                                             stderr=subprocess.STDOUT, start_new_session=True))
             outs.append(out)
         pids = {"server": server.pid} | {f"client{k}": c.pid for k, c in enumerate(clients)}
+        spy = _profile(server.pid, sc.name)
         sampler = _Sampler(pids)
         sampler.start()
         if sc.poll_s:
@@ -428,6 +447,8 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
             server_rc = _wait(server, 5.0)
         sampler.halt.set()
         sampler.join()
+        if spy is not None:  # py-spy ends with the server
+            _wait(spy, 20.0)
         summary_path = run_dir / "global" / "summary.json"
         summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
         nodes: list[dict[str, Any]] = []

@@ -393,5 +393,8 @@ class Coordinator(Membership, JobStop):
             "counter": self.done,
             "rounds": self.rounds_opened,
             "stop_reason": self.stop_reason,
-            "nodes": {i: dataclasses.asdict(n) | {"session": None} for i, n in self.nodes.items()},
+            # not ``last_grant`` (the answer kept for a retry): it holds a round with every
+            # node's report, which made the summary grow with the square of the nodes
+            "nodes": {i: dataclasses.asdict(dataclasses.replace(n, last_grant=None))
+                      | {"session": None} for i, n in self.nodes.items()},
         }
