@@ -33,7 +33,8 @@ The status page's cost (``--status``, issue 10; ``bench/status_page.py``): the p
 without reports and status page, and with a report in every heartbeat (``_Beat``) and a browser
 polling the page every second; the global server's CPU in both.
 
-Standalone: ``PYTHONPATH=. python -m bench.scale [--quick] [--status]``.
+Standalone: ``PYTHONPATH=. python -m bench.scale [--quick] [--status]``;
+``python -m bench.scale --sweep 64 256 512``: the paced scenario at each node count (issue 15).
 """
 
 from __future__ import annotations
@@ -607,9 +608,38 @@ def run(quick: bool) -> list[Result]:
     return out
 
 
+def sweep(counts: list[int], rounds: int = 16) -> list[dict[str, Any]]:
+    """The paced scenario (20 ms steps: 320 ms of work per round) at each node count, 8 workers
+    each, one fresh server per count: round latency, server CPU and calls per round as the job
+    grows (issue 15's 64, 256 and 512 nodes). The simulated nodes' own CPU is reported too: on a
+    small host it, not the server, may set the pace."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lsgd-bench-scale-") as tmp:
+        for n in counts:
+            sc = Scenario(f"{n}x8-paced", nodes=n, workers=8, l_comm=16, g_comm=64,
+                          rounds=rounds, step_ms=20.0, limit_s=300.0, join_timeout=120.0,
+                          node_timeout=30.0)
+            m = run_scenario(sc, CLIENT_PROCS, Path(tmp))
+            g = m["by_kind"].get("global", {})
+            row = {"nodes": n, "ok": m["ok"], "errors": m["error_count"],
+                   "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
+                   "global_p50_ms": g.get("p50_ms"), "global_p99_ms": g.get("p99_ms"),
+                   "rounds_per_s": m["rounds_per_s"], "server_cpu_pct": m["server_cpu_pct"],
+                   "server_cpu_s_per_round": (round(m["server_cpu_pct"] / 100 / m["rounds_per_s"], 3)
+                                              if m["server_cpu_pct"] and m["rounds_per_s"] else None),
+                   "calls_per_round": m["calls_per_round"], "client_cpu_pct": m["client_cpu_pct"],
+                   "load_before": round(os.getloadavg()[0], 2)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "--client":
         return client_main(argv[1])
+    if argv and argv[0] == "--sweep":
+        rows = sweep([int(a) for a in argv[1:]] or [64, 256, 512])
+        return 0 if all(r["ok"] for r in rows) else 1
     quick = "--quick" in argv
     t = time.monotonic()
     if "--status" in argv:
