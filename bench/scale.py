@@ -627,7 +627,8 @@ def sweep(counts: list[int], rounds: int = 16) -> list[dict[str, Any]]:
                    "rounds_per_s": m["rounds_per_s"], "server_cpu_pct": m["server_cpu_pct"],
                    "server_cpu_s_per_round": (round(m["server_cpu_pct"] / 100 / m["rounds_per_s"], 3)
                                               if m["server_cpu_pct"] and m["rounds_per_s"] else None),
-                   "calls_per_round": m["calls_per_round"], "client_cpu_pct": m["client_cpu_pct"],
+                   "calls_per_round": m["calls_per_round"], "calls": m["calls"],
+                   "client_cpu_pct": m["client_cpu_pct"],
                    "load_before": round(os.getloadavg()[0], 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)

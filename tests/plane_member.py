@@ -38,9 +38,9 @@ def member(index: int, count: int, delay: float, secret: str | None, conn) -> No
 
     lock = threading.Lock()
 
-    def bypass(round_id: int, epoch: int, stalled: int, why: str):
+    def bypass(round_id: int, epoch: int, stalled: int, why: str, reduce: bool):
         with lock:
-            conn.send(("bypass", (index, round_id, epoch, stalled, why)))
+            conn.send(("bypass", (index, round_id, epoch, stalled, why, reduce)))
             kind, value = conn.recv()
         if kind == "error":
             raise RuntimeError(value)

@@ -47,7 +47,7 @@ def test_a_chain_job_passes_every_leader_node_to_node(cluster):
 
 
 @pytest.mark.timeout(150)
-def test_a_chain_job_adds_the_easgd_sums_up_node_to_node(cluster):
+def test_a_chain_job_adds_the_easgd_sums_up_and_sends_the_center_down(cluster):
     knobs = dict(NUM_GROUPS=3, WORKERS=2, ITERATIONS=6000, **(TOY | dict(ALGORITHM="easgd")))
     n0 = cluster(0, PORT=0, **knobs)
     port = cluster.port_of_node0()
@@ -56,11 +56,18 @@ def test_a_chain_job_adds_the_easgd_sums_up_node_to_node(cluster):
         assert node.wait(120) == 0, node.output
     assert global_summary(cluster.run_dir)["counter"] == 6000
     stats = {n.index: n.summary()["plane"] for n in [n0, *rest]}
-    # 2 -> 1 -> 0 every global round: node 0 takes the partial sums and uploads the total
-    rounds = stats[0]["received"]
+    # Every global round, the sums go 2 -> 1 -> 0 (node 0 uploads the total), then the new
+    # center 0 -> 1 -> 2 (node 0 downloads it from the server beside it).
+    rounds = stats[2]["sent"]
     assert rounds > 3 and all(s["failed"] == 0 for s in stats.values()), stats
-    assert (stats[1]["received"], stats[1]["sent"], stats[2]["sent"]) == (rounds,) * 3, stats
-    assert stats[0]["sent"] == 0 and stats[2]["received"] == 0
+    assert (stats[0]["received"], stats[0]["sent"]) == (rounds, rounds), stats
+    assert (stats[1]["received"], stats[1]["sent"]) == (2 * rounds, 2 * rounds), stats
+    assert stats[2]["received"] == rounds, stats
+    # The server's link carried one vector each way per round, node 0's, over loopback (on the
+    # star: 3 downloads and 3 uploads a round). Beside them: every node's download of the
+    # initial center and node 0's final downloads (leader, center, average).
+    calls = global_summary(cluster.run_dir)["calls"]
+    assert calls["PullParams"] <= rounds + 3 + 3 and calls["PushParams"] <= rounds + 6, calls
     # the center the reduces built was trained: evaluated at the end on the toy task
     assert n0.summary()["evaluation"]["center"]["accuracy"] > 0.9, n0.summary()["evaluation"]
     assert_clean_exit(cluster.run_dir, [n0, *rest])

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import math
 
-from ..plane.messages import PlaneError, check_data_address, leader_route, sum_route, to_pb
+from ..plane.messages import (PlaneError, center_route, check_data_address, leader_route,
+                              sum_route, to_pb)
 from ..proto import lsgd_pb2 as pb
 from ..plane.node import RouteInfo
 from ..plane.route import RouteError, bypass
@@ -28,10 +29,11 @@ class Routes:
         self.addresses: dict[int, str] = {}
         self.fanout = fanout
         self.current: RouteInfo | None = None
+        self.center: RouteInfo | None = None  # a reduce round's broadcast of the new center
         self.bypasses = 0
         self.aborts = 0  # reduces aborted
         self.weights: dict[int, dict[int, float]] = {}  # open round -> node -> its weight
-        self._message: tuple[tuple[int, int], pb.DataRoute] | None = None  # to_pb, cached
+        self._message: tuple[tuple, pb.DataRoute] | None = None  # to_pb, cached
 
     def note_join(self, index: int, address: str, peer: str) -> None:
         """A node joined (or reattached) announcing ``address`` ("" : star only). A bad one
@@ -68,12 +70,13 @@ class Routes:
         weights = self.weights.pop(round_id, {})
         self.current = sum_route(round_id, {n: (p, weights.get(n, 0.0)) for n, p in reports.items()},
                                  self.addresses)
+        self.center = None if self.current is None else center_route(self.current)
         return self.current
 
     def plan(self, round_id: int, members: list[int], leader_node: int | None) -> RouteInfo | None:
         """The route of round ``round_id``'s leader among ``members`` (the nodes that reported
         in time), or None (the star serves alone)."""
-        self.current = None
+        self.current = self.center = None
         if leader_node is None:
             return None
         self.current = leader_route(round_id, sorted(members), leader_node, self.addresses,
@@ -89,12 +92,13 @@ class Routes:
 
     def message(self, info: RouteInfo) -> pb.DataRoute:
         """``info`` as sent, built once per round and epoch (every member gets the same)."""
-        key = (info.round_id, info.route.epoch)
+        key = (info.round_id, info.route.epoch, info.reduce)
         if self._message is None or self._message[0] != key:
             self._message = (key, to_pb(info))
         return self._message[1]
 
-    def bypass(self, index: int, round_id: int, epoch: int, stalled: int, why: str) -> RouteInfo:
+    def bypass(self, index: int, round_id: int, epoch: int, stalled: int, why: str,
+               reduce: bool = False) -> RouteInfo:
         """Member ``index`` could not send to ``stalled``: the route without it (a new epoch).
         If ``stalled`` was to feed the server, ``index`` does instead (it holds the whole
         vector once its sends are done; the caller moves the server's expectation). Raises
@@ -106,14 +110,19 @@ class Routes:
         if index not in r.addresses:
             raise CoordinatorError("FAILED_PRECONDITION", f"node {index} is not on the route "
                                    f"of round {round_id}")
-        if r.reduce:  # nothing to bypass: the partial sums in flight hold the member's sum
+        if reduce != r.reduce and not (r.reduce and self.center is not None):
+            raise CoordinatorError("INVALID_ARGUMENT", f"round {round_id} has no "
+                                   f"{'reduce' if reduce else 'broadcast'}")
+        if reduce:  # nothing to bypass: the partial sums in flight hold the member's sum
             self.aborts += 1
             log.warning("round %d: the reduce of the sums is aborted: node %d could not go on "
                         "with node %d (%s)", round_id, index, stalled,
                         why.encode("ascii", "replace").decode()[:MAX_WHY])
-            self.current = None
+            self.current = self.center = None
             raise CoordinatorError("ABORTED", f"the reduce of round {round_id} is aborted; its "
                                    "exchange is skipped")
+        if r.reduce:  # the broadcast of that round is the new center's
+            r = self.center
         if epoch > r.route.epoch:
             raise CoordinatorError("INVALID_ARGUMENT", f"route epoch {epoch} was never issued "
                                    f"(newest {r.route.epoch})")
@@ -125,10 +134,14 @@ class Routes:
             route = bypass(r.route, index, stalled)
         except RouteError as exc:
             raise CoordinatorError("FAILED_PRECONDITION", str(exc)) from None
-        self.current = RouteInfo(r.round_id, route, r.addresses,
-                                 index if stalled == r.feeds_server else r.feeds_server, r.chunk)
+        new = RouteInfo(r.round_id, route, r.addresses,
+                        index if stalled == r.feeds_server else r.feeds_server, r.chunk)
+        if self.current is not None and self.current.reduce:
+            self.center = new
+        else:
+            self.current = new
         self.bypasses += 1
-        log.warning("round %d: node %d could not send the leader to node %d (%s); node %d "
+        log.warning("round %d: node %d could not send to node %d (%s); node %d "
                     "bypassed, route epoch %d", round_id, index, stalled,
                     why.encode("ascii", "replace").decode(), stalled, route.epoch)
-        return self.current
+        return new

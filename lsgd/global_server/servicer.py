@@ -140,7 +140,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         elif rnd.kind == RoundKind.GLOBAL and self.params.rule.synchronous:
             route = self.routes.plan_sums(rnd.id, reports)
         else:
-            self.routes.current = None
+            self.routes.current = self.routes.center = None
         leader_route = route is not None and not route.reduce
         self.params.begin(rnd.id, rnd.kind, rnd.leader_node, reports, self.round_timeout,
                           average=rnd.evaluate,
@@ -344,7 +344,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             before = self.routes.current
             try:
                 info = self.routes.bypass(index, request.round_id, request.epoch,
-                                          request.stalled, request.why)
+                                          request.stalled, request.why, request.reduce)
             except CoordinatorError as exc:
                 if exc.code == "ABORTED":  # a reduce: the round's exchange is skipped now
                     self.params.fail(request.round_id, str(exc))

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
-from ..plane.messages import PlaneError, from_pb
+from ..plane.messages import PlaneError, center_route, from_pb
 from ..plane.node import DataPlane, RouteInfo
 from ..rules import ops
-from ..rules.base import GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind
+from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind
 from .global_client import RPC_TIMEOUT, RoundAnswer
 
 log = logging.getLogger("lsgd.local_server.server")
@@ -59,8 +60,10 @@ class ChainMixin:
             self.plane.close()
             self.plane = None
 
-    def _bypass(self, round_id: int, epoch: int, stalled: int, why: str) -> RouteInfo:
-        info = from_pb(self.client.bypass(round_id, epoch, stalled, why), self.cfg.num_groups)
+    def _bypass(self, round_id: int, epoch: int, stalled: int, why: str,
+                reduce: bool) -> RouteInfo:
+        info = from_pb(self.client.bypass(round_id, epoch, stalled, why, reduce),
+                       self.cfg.num_groups)
         if info is None:
             raise PlaneError("the global server answered an empty route")
         return info
@@ -81,6 +84,39 @@ class ChainMixin:
         with self.liveness.blocking(self.plane.timeout + 5):  # the last round's sends end
             self.plane.begin(info, own=self.store.buffer(SUM) if info.reduce else None)
         return info
+
+    def _center_in(self, rid: int, route: RouteInfo | None) -> bool:
+        """The round's new center into CENTER (where no worker still reads it). On the star,
+        from the server. After a reduce (PLANE=chain), down the same chain from node 0, which
+        downloads it from the server beside it: every member forwards it, whether or not it
+        can apply it. True when CENTER now holds it."""
+        if route is None or not route.reduce:
+            return self._free(CENTER, rid) and self._pull(CENTER, CENTER, rid)
+        assert self.plane is not None and self.store is not None
+        if self.plane.current is not None and self.plane.current.failed is not None:
+            return False  # the reduce failed here: the round's exchange is skipped
+        info = center_route(route)
+        with self.liveness.blocking(self.plane.timeout + 5):
+            self.plane.begin(info)
+            if info.route.root == self.cfg.node_index:
+                vec = None
+                try:
+                    with self._network_call():
+                        self.client.pull(CENTER, self.plane.stage, rid, wire=self.cfg.wire)
+                    vec = self.plane.stage
+                except (grpc.RpcError, ValueError) as exc:
+                    log.warning("round %d: download of the center failed: %s", rid,
+                                exc.details() if isinstance(exc, grpc.RpcError) else exc)
+                if vec is not None and not self.plane.send(vec):
+                    log.warning("round %d: the center did not reach every node of its route", rid)
+            else:
+                vec = self.plane.receive()
+        if vec is None:
+            return False
+        if not self._free(CENTER, rid):
+            return False
+        ops.copy_(self.store.buffer(CENTER), vec)
+        return True
 
     def _push_sum(self, rid: int, route: RouteInfo | None, summands: int, weight: float) -> bool:
         """The node's sum to the server: on the star, or into the round's reduce (PLANE=chain),

@@ -198,10 +198,12 @@ class GlobalClient:
                            resp.participants, tuple(resp.nodes), resp.evaluate, resp.checkpoint,
                            resp.route if resp.route.members else None)
 
-    def bypass(self, round_id: int, epoch: int, stalled: int, why: str) -> pb.DataRoute:
-        """PLANE=chain: this node could not send the leader to ``stalled``; the route without it."""
+    def bypass(self, round_id: int, epoch: int, stalled: int, why: str,
+               reduce: bool = False) -> pb.DataRoute:
+        """PLANE=chain: this node could not send to ``stalled``: the broadcast's route without it
+        (a reduce is aborted instead: ABORTED)."""
         req = pb.BypassRequest(node=self._node(), round_id=round_id, epoch=epoch, stalled=stalled,
-                               why=why.encode("ascii", "replace").decode()[:200])
+                               why=why.encode("ascii", "replace").decode()[:200], reduce=reduce)
         return self._stub.Bypass(req, timeout=RPC_TIMEOUT, metadata=self._md)
 
     def leave(self, consumed: int, late: int, stop_job: str = "",

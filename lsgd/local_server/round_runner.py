@@ -89,8 +89,8 @@ class RoundMixin:
             if lx.upload:  # an evaluation round's exchange settles only with the leader in
                 self._push(lx.source, GLOBAL_LEADER, rid, vec=lx.staged)
                 lx.upload = False
-            if self._push_sum(rid, lx.route, len(joins), weight) and self._free(CENTER, rid):
-                fresh_center = self._pull(CENTER, CENTER, rid)
+            if self._push_sum(rid, lx.route, len(joins), weight):
+                fresh_center = self._center_in(rid, lx.route)
         for i in joins:
             roles = RoundRoles(self.workers[i].worker_id, local_lead, global_leader,
                                self.multi_node)
@@ -104,8 +104,8 @@ class RoundMixin:
         if (center or evaluate) and not after and joins and exchanged:
             self._push_sum(rid, lx.route, len(joins), weight)
         dones = self._collect_dones(rid, set(joins) | set(sick))
-        if center and not after and exchanged and self._free(CENTER, rid):  # after the pulls
-            fresh_center = self._pull(CENTER, CENTER, rid)  # toward the old one (EASGD)
+        if center and not after and exchanged:  # after the pulls toward the old one (EASGD)
+            fresh_center = self._center_in(rid, lx.route)
         if ckpt:
             with self.liveness.blocking(SAVE_LIMIT):
                 checkpoint.save(self.dir, self.store, rid, ans.round_iteration,

@@ -138,3 +138,11 @@ def sum_route(round_id: int, sums: dict[int, tuple[int, float]],
     return RouteInfo(round_id, route, {n: addresses[n] for n in on}, feeds_server=0,
                      chunk=CHUNK, total_summands=sum(sums[n][0] for n in on),
                      total_weight=math.fsum(sums[n][1] or sums[n][0] for n in on))
+
+
+def center_route(reduce: RouteInfo) -> RouteInfo:
+    """The broadcast of the new center after a reduce: the same chain, the other way, from node
+    0 (which downloads the center from the server beside it) to the far end."""
+    route = Route(Kind.BROADCAST, reduce.route.root, dict(reduce.route.parent))
+    return RouteInfo(reduce.round_id, route, dict(reduce.addresses), reduce.route.root,
+                     reduce.chunk)

@@ -89,11 +89,11 @@ class DataPlane:
 
     def __init__(self, *, job_id: str, index: int, count: int, secret: str | None, host: str,
                  timeout: float,
-                 bypass: Callable[[int, int, int, str], RouteInfo], port: int = 0) -> None:
+                 bypass: Callable[[int, int, int, str, bool], RouteInfo], port: int = 0) -> None:
         self.job_id, self.index, self.count = job_id, index, count
         self.secret = secret.encode() if secret else None
         self.timeout = timeout  # a transfer's whole deadline
-        self.bypass = bypass  # (round, epoch, stalled, why) -> the new route; raises if refused
+        self.bypass = bypass  # (round, epoch, stalled, why, reduce) -> the new route; raises
         self.stage = aligned_empty(count, np.float32)
         self.stage.fill(0.0)  # its pages are faulted in now, not during the first transfer
         self.cond = threading.Condition()
@@ -253,7 +253,7 @@ class DataPlane:
                             info.round_id, child, why)
                 break
             try:
-                new = self.bypass(info.round_id, info.route.epoch, child, why)
+                new = self.bypass(info.round_id, info.route.epoch, child, why, False)
             except Exception as exc:  # noqa: BLE001 - refused, or the server is away
                 log.warning("round %d: sending the leader to node %d failed (%s), and the "
                             "global server did not bypass it: %s", info.round_id, child, why, exc)
@@ -323,7 +323,7 @@ class DataPlane:
             stalled = near[0] if near else self.index
         log.warning("round %d: the reduce of the sums failed here (%s)", t.info.round_id, why)
         try:
-            self.bypass(t.info.round_id, 0, stalled, why)
+            self.bypass(t.info.round_id, 0, stalled, why, True)
         except Exception as exc:  # noqa: BLE001 - the answer is the abort itself
             log.debug("round %d: abort answered: %s", t.info.round_id, exc)
 
@@ -391,9 +391,12 @@ class DataPlane:
             return (f"a transfer for job {h.job!r}, node {h.receiver}, kind {h.kind}, wire "
                     f"{h.wire}; this is job {self.job_id!r}, node {self.index} (float32 only)")
         with self.cond:
-            self.cond.wait_for(lambda: self.closed or (self.current is not None
-                                                       and self.current.info.round_id >= h.round_id),
-                               timeout=ADMIT_WAIT)
+            def known() -> bool:  # this round's transfer of that kind, or a later round
+                c = self.current
+                return c is not None and (c.info.round_id > h.round_id or (
+                    c.info.round_id == h.round_id and c.info.reduce == bool(h.kind)))
+
+            self.cond.wait_for(lambda: self.closed or known(), timeout=ADMIT_WAIT)
             t = self.current
             if t is None or t.info.round_id != h.round_id or t.failed is not None:
                 return f"this node is not on a route of round {h.round_id} now"

@@ -313,18 +313,20 @@ class DataRoute(_message.Message):
     def __init__(self, round_id: _Optional[int] = ..., epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[RouteMember, _Mapping]]] = ..., feeds_server: _Optional[int] = ..., chunk_elements: _Optional[int] = ..., reduce: _Optional[bool] = ..., total_summands: _Optional[int] = ..., total_weight: _Optional[float] = ...) -> None: ...
 
 class BypassRequest(_message.Message):
-    __slots__ = ("node", "round_id", "epoch", "stalled", "why")
+    __slots__ = ("node", "round_id", "epoch", "stalled", "why", "reduce")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STALLED_FIELD_NUMBER: _ClassVar[int]
     WHY_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     round_id: int
     epoch: int
     stalled: int
     why: str
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., epoch: _Optional[int] = ..., stalled: _Optional[int] = ..., why: _Optional[str] = ...) -> None: ...
+    reduce: bool
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., epoch: _Optional[int] = ..., stalled: _Optional[int] = ..., why: _Optional[str] = ..., reduce: _Optional[bool] = ...) -> None: ...
 
 class PushHeader(_message.Message):
     __slots__ = ("node", "round_id", "buffer", "param_count", "summands", "wire_format", "weight")
