@@ -73,6 +73,28 @@ def test_a_chain_job_adds_the_easgd_sums_up_and_sends_the_center_down(cluster):
     assert_clean_exit(cluster.run_dir, [n0, *rest])
 
 
+@pytest.mark.timeout(150)
+def test_evaluation_rounds_of_a_center_rule_on_a_chain_keep_the_leader_off_the_reduce(cluster):
+    """An evaluation round of a center rule also moves its leader: through the server, never
+    down the round's reduce route (whose staging buffer holds the partial sums)."""
+    knobs = dict(NUM_GROUPS=2, WORKERS=2, ITERATIONS=4000, EVAL_EVERY=1000,
+                 **(TOY | dict(ALGORITHM="average")))
+    n0 = cluster(0, PORT=0, **knobs)
+    n1 = cluster(1, PORT=cluster.port_of_node0(), **knobs)
+    for node in (n0, n1):
+        assert node.wait(120) == 0, node.output
+    rows = [r for r in metric_rows(cluster.run_dir / "node0" / "metrics.csv") if r["kind"] == "eval"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["target"], []).append(float(r["value"]))
+    # every periodic evaluation: the center the reduces built, the leader and the average, all
+    # trained (a center overwritten by a leader mid-reduce, or a sum taken for the leader, is not)
+    assert len(by.get("center", [])) >= 2 and len(by.get("leader", [])) >= 2, by
+    assert all(v > 0.9 for vs in by.values() for v in vs), by
+    assert all(n.summary()["plane"]["failed"] == 0 for n in (n0, n1))
+    assert n0.summary()["evaluation"]["center"]["accuracy"] > 0.9
+
+
 @pytest.mark.slow  # the plane's own fault tests (test_plane_node.py) cover mid-transfer deaths
 @pytest.mark.timeout(180)
 def test_a_node_lost_from_a_chain_job_leaves_the_route_and_rejoins_it(cluster):

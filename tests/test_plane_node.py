@@ -418,3 +418,16 @@ def test_an_aborted_reduce_fails_the_rounds_exchange_at_once():
     params.fail(3, "the reduce of round 3 is aborted")
     assert params.exchange.settled and not params.exchange.sums_ok
     assert np.array_equal(params.buffers[CENTER], before)
+
+
+def test_the_open_rounds_weights_survive_a_late_note_and_make_the_reduce_total():
+    routes = Routes()
+    routes.addresses = {i: f"127.0.0.1:{4000 + i}" for i in range(3)}
+    routes.note_weight(0, 5, 2, 0.5)
+    routes.note_weight(1, 5, 2, 0.7)
+    routes.note_weight(2, 4, 2, 3.0)  # a report of an older round: it touches nothing of round 5
+    with pytest.raises(CoordinatorError, match="must be in"):
+        routes.note_weight(2, 5, 2, 3e6)  # beyond 2 participants' bound: refused, nothing kept
+    info = routes.plan_sums(5, {0: 2, 1: 2, 2: 1})
+    assert info.total_summands == 5 and info.total_weight == pytest.approx(0.5 + 0.7 + 1)
+    routes.note_weight(0, 6, 6, 6 * 1e-6 * (1 - 1e-12))  # clipped weights summed in floats

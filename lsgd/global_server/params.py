@@ -169,6 +169,12 @@ class ParamStore(DeltaMixin, SavedParams):
                 self._maybe_settle()
                 self._cond.notify_all()
 
+    def settled(self, round_id: int) -> bool:
+        """Whether the exchange of round ``round_id`` is over (or was never started)."""
+        with self._cond:
+            ex = self.exchange
+            return ex is None or ex.round_id != round_id or ex.settled
+
     def reassign_upload(self, round_id: int, buffer: str, old: int, new: int) -> bool:
         """Expect ``buffer`` of round ``round_id`` from node ``new`` instead of ``old`` (PLANE=
         chain: the member that was to feed the server was bypassed). False, changing nothing,
@@ -279,15 +285,20 @@ class ParamStore(DeltaMixin, SavedParams):
                     r = ex.reduce  # the route's total: exactly what its members reported
                     if summands != r.total_summands or not math.isclose(
                             weight or summands, r.total_weight, rel_tol=1e-9):
-                        raise ParamError("INVALID_ARGUMENT", f"the reduce of round {round_id} "
-                                         f"sums {r.total_summands} participants of weight "
-                                         f"{r.total_weight}, not {summands} of {weight}")
+                        why = (f"the reduce of round {round_id} sums {r.total_summands} "
+                               f"participants of weight {r.total_weight}, not {summands} of "
+                               f"{weight}")
+                        ex.failed.append(why)  # that total will not come right: settle now
+                        ex.sums_ok = False
+                        self._maybe_settle()
+                        raise ParamError("INVALID_ARGUMENT", why)
                     most = summands
                 if buffer == SUM and not 1 <= summands <= most:
                     raise ParamError("INVALID_ARGUMENT", f"summands must be in 1..{most} (node "
                                      f"{node}'s participants in round {round_id}), got {summands}")
                 weight = weight or float(summands)  # 0: unweighted
-                if buffer == SUM and not (summands * MIN_WEIGHT <= weight <= summands * MAX_WEIGHT):
+                if buffer == SUM and not (summands * MIN_WEIGHT * (1 - 1e-9) <= weight
+                                          <= summands * MAX_WEIGHT * (1 + 1e-9)):
                     raise ParamError("INVALID_ARGUMENT", f"the weight of {summands} summands must "
                                      f"be in [{summands * MIN_WEIGHT:g}, "
                                      f"{summands * MAX_WEIGHT:g}], got {weight}")

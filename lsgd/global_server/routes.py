@@ -55,14 +55,14 @@ class Routes:
     def note_weight(self, index: int, round_id: int, participants: int, weight: float) -> None:
         """A node's report of a global round carries the weight of its sum (0: unweighted);
         INVALID_ARGUMENT, changing nothing, when it is out of bounds."""
-        if weight and not (math.isfinite(weight) and participants * MIN_WEIGHT <= weight
-                           <= participants * MAX_WEIGHT):
+        if weight and not (math.isfinite(weight) and participants * MIN_WEIGHT * (1 - 1e-9)
+                           <= weight <= participants * MAX_WEIGHT * (1 + 1e-9)):
             raise CoordinatorError("INVALID_ARGUMENT", f"the weight of {participants} "
                                    f"participants must be in [{participants * MIN_WEIGHT:g}, "
                                    f"{participants * MAX_WEIGHT:g}], got {weight}")
-        if round_id not in self.weights:
-            self.weights = {round_id: {}}  # only the open round's are kept
-        self.weights[round_id][index] = weight
+        for old in [r for r in self.weights if r < round_id]:  # only the open round's are kept
+            del self.weights[old]
+        self.weights.setdefault(round_id, {})[index] = weight
 
     def plan_sums(self, round_id: int, reports: dict[int, int]) -> RouteInfo | None:
         """The reduce route of round ``round_id``'s sums (``reports``: node -> participants),

@@ -191,6 +191,20 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         return (c.done, c.outstanding, c.rounds_opened, c.round.closed if c.round else None,
                 len(c.live_nodes), c.started, c.stop_reason)
 
+    def _note_weight(self, request: pb.ReportRoundRequest) -> None:
+        """Keep the weight of a node's sum for the open global round's reduce: only from a
+        member's first, valid report of that round (anything else is left to
+        ``Coordinator.report`` to refuse or answer, and notes nothing)."""
+        node = request.node
+        member = self.coord._node(node.node_index, node.session, self.clock())
+        rnd = self.coord.round
+        if (rnd is None or rnd.id != request.round_id or rnd.closed or rnd.kind != RoundKind.GLOBAL
+                or node.node_index in rnd.reports
+                or not 0 < request.participants <= member.workers):
+            return
+        self.routes.note_weight(node.node_index, request.round_id, request.participants,
+                                request.weight)
+
     def _check(self, node: pb.NodeId) -> None:
         if node.job_id != self.coord.job_id:
             raise CoordinatorError("FAILED_PRECONDITION",
@@ -306,9 +320,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             with self.cond:
                 self._check(node)
                 if request.weight:  # before the report, which may close the round and plan it
-                    self.coord._node(node.node_index, node.session, self.clock())
-                    self.routes.note_weight(node.node_index, request.round_id,
-                                            request.participants, request.weight)
+                    self._note_weight(request)
                 # if this report closes the round, its waiters wake
                 out = self._change(lambda: self.coord.report(
                     node.node_index, node.session, request.round_id, best,
@@ -342,6 +354,9 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             index = request.node.node_index
             self.coord._node(index, request.node.session, self.clock())
             before = self.routes.current
+            if request.reduce and self.params.settled(request.round_id):
+                raise CoordinatorError("FAILED_PRECONDITION", f"the reduce of round "
+                                       f"{request.round_id} is over")
             try:
                 info = self.routes.bypass(index, request.round_id, request.epoch,
                                           request.stalled, request.why, request.reduce)

@@ -28,6 +28,7 @@ class LeaderPart:
     """How a global round's leader moves in or out of this node (round_runner.py)."""
 
     route: RouteInfo | None = None  # PLANE=chain: the round's route, when this node is on it
+    # (the leader's broadcast, or a center rule's reduce: see ``leader_route``)
     source: str | None = None  # the node buffer holding the leader it uploads (its own leader)
     staged: np.ndarray | None = None  # ... or the vector the route carried, whole
     upload: bool = False  # this node uploads the leader to the server
@@ -111,8 +112,13 @@ class ChainMixin:
                     log.warning("round %d: the center did not reach every node of its route", rid)
             else:
                 vec = self.plane.receive()
-        if vec is None:
-            return False
+        if vec is not None and not ops.all_finite(vec):
+            log.warning("round %d: the center that came down the route is not finite; "
+                        "downloading it from the server", rid)
+            vec = None
+        if vec is None:  # the route failed here (or was slow): the server has the center
+            return (self.cfg.node_index != info.route.root and self._free(CENTER, rid)
+                    and self._pull(CENTER, CENTER, rid))
         if not self._free(CENTER, rid):
             return False
         ops.copy_(self.store.buffer(CENTER), vec)
@@ -152,6 +158,10 @@ class ChainMixin:
         assert self.plane is not None and self.store is not None
         with self.liveness.blocking(self.plane.timeout + 5):
             vec = self.plane.receive()
+        if vec is not None and not ops.all_finite(vec):
+            log.warning("round %d: the leader that came down the route is not finite; "
+                        "skipping it", rid)
+            return False, None
         if vec is None:
             return False, None
         if not self._free(GLOBAL_LEADER, rid):
@@ -169,7 +179,10 @@ class ChainMixin:
         if not (kind == RoundKind.GLOBAL and answer and answer.leader and (
                 self.rule.exchange == Exchange.LEADER or evaluate)):
             return lx
-        me, lead, route = self.cfg.node_index, answer.leader.worker_id, lx.route
+        me, lead = self.cfg.node_index, answer.leader.worker_id
+        # The leader rides the round's route only when that route is the leader's: a center
+        # rule's evaluation round sends its leader through the server (its route is the reduce).
+        route = lx.route if lx.route is not None and not lx.route.reduce else None
         pulls_leader = self.rule.exchange == Exchange.LEADER
         if answer.leader_node == me:
             if self._free(GLOBAL_LEADER, rid):
@@ -198,7 +211,8 @@ class ChainMixin:
         feeds the server uploads it (node 0 first, over loopback; a source that took over from
         a bypassed node 0, after its sends)."""
         me = self.cfg.node_index
-        sends = lx.route is not None and lx.staged is not None and lx.route.route.root == me
+        sends = (lx.route is not None and not lx.route.reduce and lx.staged is not None
+                 and lx.route.route.root == me)
         if lx.upload and (not sends or me == 0):
             self._push(lx.source, GLOBAL_LEADER, rid, vec=lx.staged)
             lx.upload = False
