@@ -41,6 +41,9 @@ class Context:
     def invocation_metadata(self):
         return ()
 
+    def peer(self):
+        return "ipv4:127.0.0.1:5555"
+
 
 def _state(servicer) -> str:
     """Everything a refused call must leave as it was (not the nodes' last-seen times)."""
@@ -83,21 +86,29 @@ def requests(sessions):
                        nid, SMALL, st.integers(0, 6), st.sampled_from([0, 8, 9, 2**40]),
                        st.integers(0, 2**32 - 1), st.integers(0, 3))
     return st.one_of(
-        st.builds(lambda n, w, c, a, g, r, h, u: ("Join", pb.JoinRequest(
+        st.builds(lambda n, w, c, a, g, r, h, u, d: ("Join", pb.JoinRequest(
             node=n, num_workers=w, param_count=c, algorithm=a, num_groups=g, resume_session=r,
-            held_credits=h, unreported=u)), nid, st.integers(0, 5), st.sampled_from([0, 8, 9, 2**50]),
+            held_credits=h, unreported=u, data_address=d)), nid, st.integers(0, 5),
+            st.sampled_from([0, 8, 9, 2**50]),
             st.sampled_from(["easgd", "lsgd", ""]), st.integers(0, 5),
             st.one_of(st.just(0), st.sampled_from(sessions), U64), st.one_of(SMALL, U64),
-            st.one_of(SMALL, U64)),
+            st.one_of(SMALL, U64),
+            st.sampled_from(["", "127.0.0.1:5000", "10.0.0.1:1", "x", "127.0.0.1:0",
+                             "[::1]:5", "127.0.0.1:" + "9" * 300, "\u00e9:1"])),
+        st.builds(lambda n, r, e, s, w, red: ("Bypass", pb.BypassRequest(
+            node=n, round_id=r, epoch=e, stalled=s, why=w, reduce=red)),
+            nid, SMALL, st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
+            st.text(max_size=300), st.booleans()),
         st.builds(lambda n: ("Heartbeat", pb.HeartbeatRequest(node=n)), nid),
         st.builds(lambda n, c, l, r, w, s, q: ("AcquireCredits", pb.AcquireCreditsRequest(
             node=n, consumed=c, late_consumed=l, released=r, want=w, last_round_seen=s,
             max_wait_ms=0, seq=q)), nid, st.one_of(SMALL, U64), st.one_of(SMALL, U64),
             st.one_of(SMALL, U64), st.one_of(SMALL, U64), SMALL, st.one_of(SMALL, U64)),
-        st.builds(lambda n, r, w, loss, has, p: ("ReportRound", pb.ReportRoundRequest(
+        st.builds(lambda n, r, w, loss, has, p, wt: ("ReportRound", pb.ReportRoundRequest(
             node=n, round_id=r, best=pb.Candidate(worker_id=w, loss=loss), has_best=has,
-            participants=p)), nid, SMALL, st.integers(0, 9), st.floats(allow_nan=True),
-            st.booleans(), st.integers(0, 2**32 - 1)),
+            participants=p, weight=wt)), nid, SMALL, st.integers(0, 9), st.floats(allow_nan=True),
+            st.booleans(), st.integers(0, 2**32 - 1),
+            st.one_of(st.just(0.0), st.floats(allow_nan=True, allow_infinity=True))),
         st.builds(lambda h, parts: ("PushParams", [pb.PushParamsRequest(header=h)] +
                                     [pb.PushParamsRequest(chunk=c) for c in parts]),
                   header, st.lists(st.one_of(chunk, raw_chunk), max_size=3)),

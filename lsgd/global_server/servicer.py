@@ -232,7 +232,9 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                 raise CoordinatorError("UNAVAILABLE", "waiting for node 0 to join (it decides "
                                        "the model size)")
             buffers = self.params.reserve(request.param_count)  # refused before any change
-            self.routes.note_join(request.node.node_index, request.data_address, context.peer())
+            if request.data_address:
+                self.routes.note_join(request.node.node_index, request.data_address,
+                                      context.peer())
             node = self.coord.join(
                 job_id=request.node.job_id, index=request.node.node_index,
                 workers=request.num_workers, algorithm=request.algorithm,
