@@ -62,6 +62,7 @@ job_id="${JOB_ID:-lsgd}"            # job name, the same on every node
 wire="${WIRE:-float32}"              # parameter encoding between nodes: float32 | bfloat16
 plane="${PLANE:-star}"              # leader/sums between nodes: star (via node 0) | chain (node to node)
 data_host="${DATA_HOST:-}"          # PLANE=chain: this node's address for the others (empty: auto)
+data_port="${DATA_PORT:-0}"         # PLANE=chain: this node's data port (0: any free port)
 # --- security (see README "Security"; `python -m lsgd certs` creates the files) ------------
 secret_file="${SECRET_FILE:-}"      # job secret (or set LSGD_SECRET); needed beyond loopback
 tls_ca="${TLS_CA:-}"                # CA certificate: TLS on every channel
@@ -103,7 +104,7 @@ exec "$PYTHON" -m lsgd train \
     --respawn "$respawn" --state-every "$state_every" \
     --reconnect-timeout "$reconnect_timeout" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
     --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \
-    --plane "$plane" --data-host "$data_host" \
+    --plane "$plane" --data-host "$data_host" --data-port "$data_port" \
     --secret-file "$secret_file" --tls-ca "$tls_ca" --tls-cert "$tls_cert" --tls-key "$tls_key" \
     --mtls "$mtls" --allow-insecure "$allow_insecure" --status-port "$status_port" \
     --progress-every "$progress_every" --tensorboard "$tensorboard" --log-level "$log_level"

@@ -79,6 +79,8 @@ class JobConfig:
                     "a chain, the center rules' sums add up along one toward node 0)")
     data_host: str | None = _f(None, "PLANE=chain: the IP address other nodes reach this node's "
                                "data listener at (default: the one it reaches node 0 from)")
+    data_port: int = _f(0, "PLANE=chain: the TCP port of this node's data listener (0: any "
+                        "free port; set one to open it in a firewall)")
     secret_file: str | None = _f(None, "file holding the job secret (or set LSGD_SECRET); needed "
                                  "when node 0 listens beyond loopback")
     tls_ca: str | None = _f(None, "CA certificate that signed node 0's certificate: TLS on every node")
@@ -207,6 +209,7 @@ class JobConfig:
     def _validate_plane(self, need: Any) -> None:
         need(self.plane in ("star", "chain"),
              f"plane '{self.plane}' is unknown; choose star or chain")
+        need(0 <= self.data_port <= 65535, f"data_port must be in 0..65535, got {self.data_port}")
         if self.plane != "chain":
             return
         need(self.wire == "float32", "PLANE=chain forwards float32 only for now; set WIRE=float32")

@@ -19,6 +19,7 @@ from ..plane.node import DataPlane, RouteInfo
 from ..rules import ops
 from ..rules.base import CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Exchange, RoundKind
 from .global_client import RPC_TIMEOUT, RoundAnswer
+from .state import DataPortError
 
 log = logging.getLogger("lsgd.local_server.server")
 
@@ -47,11 +48,16 @@ class ChainMixin:
         if self.cfg.plane != "chain":
             return
         secret = self.security.secret if self.security is not None else None
-        self.plane = DataPlane(job_id=self.cfg.job_id, index=self.cfg.node_index,
-                               count=param_count, secret=secret,
-                               host=self.cfg.data_listen_host(),
-                               timeout=self.cfg.round_timeout + RPC_TIMEOUT,
-                               bypass=self._bypass)
+        host = self.cfg.data_listen_host()
+        try:
+            self.plane = DataPlane(job_id=self.cfg.job_id, index=self.cfg.node_index,
+                                   count=param_count, secret=secret, host=host,
+                                   timeout=self.cfg.round_timeout + RPC_TIMEOUT,
+                                   bypass=self._bypass, port=self.cfg.data_port)
+        except OSError as exc:
+            raise DataPortError(f"PLANE=chain: cannot listen on {host}:{self.cfg.data_port} "
+                                f"({exc.strerror or exc}); set DATA_PORT to a free port (0: any) "
+                                "or DATA_HOST to an address of this machine") from None
         self.client.data_address = self.plane.address
         log.info("data listener at %s (PLANE=chain)", self.plane.address)
 

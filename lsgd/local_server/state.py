@@ -19,6 +19,11 @@ class JoinRefused(NodeError):
     algorithm, NUM_GROUPS or WORKERS, an index out of range or taken): a configuration error."""
 
 
+class DataPortError(JoinRefused):
+    """PLANE=chain: the node cannot listen where DATA_HOST and DATA_PORT say (a configuration
+    error, like a port in use)."""
+
+
 @dataclass
 class WorkerState:
     local: int
