@@ -1,5 +1,5 @@
-"""The parameter plane's data connection: one vector from one node to another (issue 15,
-docs/design-scale.md). In progress: not used by the node loop yet.
+"""The parameter plane's data connection: one vector from one node to another (PLANE=chain,
+docs/design-scale.md; ``node.py`` runs it).
 
 One TCP connection carries one transfer. All integers are little-endian.
 
