@@ -282,6 +282,30 @@ def _port_taken(config: JobConfig) -> str | None:
     return None
 
 
+def _data_port_taken(config: JobConfig) -> str | None:
+    """PLANE=chain: a line saying that this node cannot listen on ``DATA_HOST:DATA_PORT``
+    (taken, or not an address of this machine), before anything starts. A race with another
+    program still ends the node later, with the same line."""
+    if config.plane != "chain":
+        return None
+    try:
+        host = config.data_listen_host()
+    except ConfigError as exc:
+        return str(exc)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the listener binds
+        try:
+            probe.bind((host, config.data_port))
+        except OSError as exc:
+            why = ("is taken" if exc.errno == errno.EADDRINUSE else
+                   "is not an address of this machine" if exc.errno == errno.EADDRNOTAVAIL
+                   else f"cannot be bound ({exc.strerror})")
+            return (f"PLANE=chain: {host}:{config.data_port} {why}; set DATA_PORT to a free port "
+                    "(0: any) or DATA_HOST to an address of this machine")
+    return None
+
+
 def _signal_name(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -416,7 +440,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"lsgd: error: RESUME=1 but {missing[0]} does not exist (no checkpoint in "
                   f"RUN_DIR {config.run_dir}; set CHECKPOINT_EVERY to make them)", file=sys.stderr)
             return 2
-    problem = _port_taken(config) or check_entry(config.entry)
+    problem = _port_taken(config) or _data_port_taken(config) or check_entry(config.entry)
     if problem:
         print(f"lsgd: error: {problem}", file=sys.stderr)
         return 2

@@ -113,3 +113,21 @@ def test_generated_grpc_code_matches_the_proto():
     res = subprocess.run([sys.executable, "-m", "lsgd.proto.generate", "--check"], cwd=REPO,
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
+
+
+def test_a_data_port_that_cannot_be_bound_is_one_line_before_anything_starts(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run_train(tmp_path, ("PLANE", "chain"), ("DATA_PORT", str(port)))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.strip().splitlines() == [
+        f"lsgd: error: PLANE=chain: 127.0.0.1:{port} is taken; set DATA_PORT to a free port "
+        "(0: any) or DATA_HOST to an address of this machine"]
+    res = run_train(tmp_path, ("PLANE", "chain"), ("DATA_HOST", "192.0.2.77"))  # TEST-NET-1
+    assert res.returncode == 2 and "192.0.2.77:0 is not an address of this machine" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "global").exists()  # nothing was started
