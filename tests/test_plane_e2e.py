@@ -25,15 +25,21 @@ def leaders_by_round(run_dir, nodes) -> dict[int, set]:
     return out
 
 
+def run_three_nodes(cluster, knobs) -> list:
+    """Nodes 0, 1 and 2 of one job with ``knobs``: each exits 0, and the counter is exact."""
+    n0 = cluster(0, PORT=0, **knobs)
+    port = cluster.port_of_node0()
+    nodes = [n0] + [cluster(i, PORT=port, **knobs) for i in (1, 2)]
+    for node in nodes:
+        assert node.wait(120) == 0, node.output
+    assert global_summary(cluster.run_dir)["counter"] == knobs["ITERATIONS"]
+    return nodes
+
+
 @pytest.mark.timeout(150)
 def test_a_chain_job_passes_every_leader_node_to_node(cluster):
     knobs = dict(NUM_GROUPS=3, WORKERS=2, ITERATIONS=3000, **TOY)
-    n0 = cluster(0, PORT=0, **knobs)
-    port = cluster.port_of_node0()
-    rest = [cluster(i, PORT=port, **knobs) for i in (1, 2)]
-    for node in [n0, *rest]:
-        assert node.wait(120) == 0, node.output
-    assert global_summary(cluster.run_dir)["counter"] == 3000
+    n0, *rest = run_three_nodes(cluster, knobs)
     stats = {n.index: n.summary()["plane"] for n in [n0, *rest]}
     assert all(s["failed"] == 0 and s["bypasses"] == 0 for s in stats.values()), stats
     # each global round: the source sends once per child, every other member receives once
@@ -53,12 +59,7 @@ def test_a_chain_job_adds_the_easgd_sums_up_and_sends_the_center_down(cluster):
     partial sums)."""
     knobs = dict(NUM_GROUPS=3, WORKERS=2, ITERATIONS=4000, EVAL_EVERY=1200,
                  **(TOY | dict(ALGORITHM="easgd")))
-    n0 = cluster(0, PORT=0, **knobs)
-    port = cluster.port_of_node0()
-    rest = [cluster(i, PORT=port, **knobs) for i in (1, 2)]
-    for node in [n0, *rest]:
-        assert node.wait(120) == 0, node.output
-    assert global_summary(cluster.run_dir)["counter"] == 4000
+    n0, *rest = run_three_nodes(cluster, knobs)
     stats = {n.index: n.summary()["plane"] for n in [n0, *rest]}
     # Every global round, the sums go 2 -> 1 -> 0 (node 0 uploads the total), then the new
     # center 0 -> 1 -> 2 (node 0 downloads it from the server beside it).
