@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from lsgd.data import load_digits, load_mnist
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3000)
@@ -21,21 +22,11 @@ parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-parser.add_argument("--mnist", help="directory with the MNIST IDX files (default: sklearn digits)")
+parser.add_argument("--mnist", help="directory with the MNIST IDX files (default: scikit-learn's digits)")
 args = parser.parse_args()
 
-if args.mnist:
-    from lsgd.data import load_mnist
-
-    data = load_mnist(args.mnist)
-    x_train, y_train, x_test, y_test = data.x_train, data.y_train, data.x_test, data.y_test
-else:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x = x.reshape(-1, 8, 8) / 16.0
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0)
+data = load_mnist(args.mnist) if args.mnist else load_digits()  # both bundled or local: no download
+x_train, y_train, x_test, y_test = data.x_train, data.y_train, data.x_test, data.y_test
 device = torch.device(args.device)
 side = int(np.sqrt(np.prod(np.shape(x_train)[1:])))  # 8 (digits) or 28 (MNIST)
 x_train = torch.tensor(np.asarray(x_train, np.float32)).reshape(-1, 1, side, side).to(device)

@@ -119,3 +119,31 @@ def test_shards_disjoint_cover_everything_and_permutations_differ():
         shard_indices(10, 0, 2, "random")
     with pytest.raises(ValueError, match="out of range"):
         shard_indices(10, 2, 2)
+
+
+def test_digits_are_scikit_learns_read_without_importing_it():
+    import subprocess
+    import sys
+
+    # A fresh interpreter: loading the digits must not import scikit-learn (2 s per process).
+    code = ("import sys; from lsgd.data import load_digits; d = load_digits(); "
+            "print(len(d.x_train), len(d.x_test), 'sklearn' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout.split()
+    assert out == ["1438", "359", "False"]
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    from lsgd.data import digits_arrays, load_digits
+    x, y = digits_arrays()
+    ref = sklearn_digits()
+    np.testing.assert_array_equal(x, ref.data)
+    np.testing.assert_array_equal(y, ref.target)
+    d = load_digits(test_fraction=0.25, seed=3)
+    assert d.x_train.dtype == np.float32 and d.y_train.dtype == np.int64
+    assert 0.0 <= d.x_train.min() and d.x_train.max() <= 1.0 and d.x_train.shape[1] == 64
+    # every class split 75/25, and the two parts are the whole set, once each
+    np.testing.assert_array_equal(np.bincount(d.y_test), np.round(0.25 * np.bincount(y)))
+    whole = np.concatenate([d.x_train, d.x_test]) * 16.0
+    assert sorted(map(bytes, whole.astype(np.uint8))) == sorted(map(bytes, x.astype(np.uint8)))
+    with pytest.raises(ValueError, match="test_fraction"):
+        load_digits(test_fraction=1.0)

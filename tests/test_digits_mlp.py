@@ -32,7 +32,9 @@ def test_split_is_deterministic(data: DigitsData) -> None:
 def test_split_sizes_dtypes_and_disjointness(data: DigitsData) -> None:
     n_train, n_test = len(data.x_train), len(data.x_test)
     assert n_train + n_test == N_SAMPLES
-    assert n_test == int(np.ceil(0.2 * N_SAMPLES))
+    counts = np.bincount(np.concatenate([data.y_train, data.y_test]))
+    assert n_test == sum(round(0.2 * c) for c in counts)  # a fifth of every class
+    np.testing.assert_array_equal(np.bincount(data.y_test), np.round(0.2 * counts))
     assert data.x_train.shape == (n_train, 64) and data.x_test.shape == (n_test, 64)
     assert data.y_train.shape == (n_train,) and data.y_test.shape == (n_test,)
     assert data.x_train.dtype == np.float32 and data.x_test.dtype == np.float32

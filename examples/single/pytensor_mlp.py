@@ -11,26 +11,18 @@ import numpy as np
 import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.mode import Mode
+from lsgd.data import load_digits, load_mnist
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=3000)
 parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--seed", type=int, default=0)
-parser.add_argument("--mnist", help="directory with the MNIST IDX files (default: sklearn digits)")
+parser.add_argument("--mnist", help="directory with the MNIST IDX files (default: scikit-learn's digits)")
 args = parser.parse_args()
 
-if args.mnist:
-    from lsgd.data import load_mnist
-
-    data = load_mnist(args.mnist)
-    x_train, y_train, x_test, y_test = data.x_train, data.y_train, data.x_test, data.y_test
-else:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x / 16.0, y, test_size=0.2, random_state=0)
+data = load_mnist(args.mnist) if args.mnist else load_digits()  # both bundled or local: no download
+x_train, y_train, x_test, y_test = data.x_train, data.y_train, data.x_test, data.y_test
 x_train = x_train.reshape(len(x_train), -1).astype(np.float32)
 x_test = x_test.reshape(len(x_test), -1).astype(np.float32)
 y_train, y_test = y_train.astype(np.int64), y_test.astype(np.int64)
