@@ -85,6 +85,25 @@ def test_ctrl_c_on_node_0_ends_an_asynchronous_job_everywhere_within_10_s(cluste
     assert_clean_exit(cluster.run_dir, [n0, n1])  # no process, no shared-memory segment left
 
 
+@pytest.mark.timeout(90)
+def test_ctrl_c_on_another_node_leaves_the_job_and_the_others_go_on_at_once(cluster):
+    # NODE_TIMEOUT is long: only the interrupted node's Leave can let node 0 go on this soon
+    n0, n1 = start_two(cluster, **(FOREVER | dict(NODE_TIMEOUT=60, ROUND_TIMEOUT=60)))
+    assert wait_for(lambda: training(cluster, 0) and training(cluster, 1), 60), n0.output + n1.output
+    os.killpg(n1.proc.pid, signal.SIGINT)  # Ctrl-C in node 1's terminal
+    assert n1.wait(15) == 130, n1.output
+    assert "lsgd: node 1: interrupted" in n1.output, n1.output
+    assert wait_for(lambda: "node 1 left" in n0.output, 5), n0.output
+    rows = len((cluster.run_dir / "node0" / "metrics.csv").read_text().splitlines())
+    more = lambda: len((cluster.run_dir / "node0" / "metrics.csv").read_text().splitlines())  # noqa: E731
+    assert wait_for(lambda: more() >= rows + 4, 20), "node 0 did not go on with its rounds"
+    assert "dropped" not in n0.output and n0.proc.poll() is None
+    os.killpg(n0.proc.pid, signal.SIGINT)
+    assert n0.wait(15) == 130, n0.output
+    assert "Traceback" not in n0.output + n1.output
+    assert_clean_exit(cluster.run_dir, [n0, n1])
+
+
 @pytest.mark.timeout(120)
 def test_node_0_losing_all_its_workers_ends_the_job_everywhere(cluster):
     # a bug in the user's code kills both workers of node 0 (RESPAWN cannot help a Python error)

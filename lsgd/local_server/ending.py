@@ -6,6 +6,8 @@
 - Node 0 ending for any other reason (Ctrl-C, SIGTERM, no worker left, a failure) stops the
   whole job: it tells the global server (``Leave`` with ``stop_job``), which tells every other
   node in its next answer. A node told so ends with ``exitcodes.STOPPED`` (4) and one line.
+- Any other node ending early (Ctrl-C, SIGTERM, a failure) leaves the job (``Leave``), so the
+  others go on at once instead of waiting ``node_timeout`` for its silence.
 
 A mixin of ``LocalServer`` (``server.py``).
 """
@@ -125,9 +127,13 @@ class EndingMixin:
             log.warning("node 0: could not tell the global server to stop the job (%s)",
                         exc.details())
 
-    def _leave_stopped(self, code: int) -> None:
-        """A node that was stopped reports its last steps, if the server still listens."""
-        if code != exitcodes.STOPPED or not self.client.session:
+    def _leave_at_end(self, code: int) -> None:
+        """A node ending before the job did (stopped, interrupted, terminated, failed) leaves
+        it with its last steps, if the server still listens: the server stops waiting for it
+        at once rather than after ``node_timeout`` of silence. A node that finished left in the
+        final round; node 0 ending early left when it stopped the job (``_announce_stop``)."""
+        if (code in (exitcodes.OK, exitcodes.DEGRADED) or not self.client.session
+                or (self.cfg.node_index == 0 and code != exitcodes.STOPPED)):
             return
         r, self.report = self.report, Report()
         try:

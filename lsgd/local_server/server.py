@@ -262,7 +262,7 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
         self.metrics.close()
         if self.board is not None:
             self.board.close()
-        self._leave_stopped(code)
+        self._leave_at_end(code)
         self.client.close()
         self.summary.setdefault("node", self.cfg.node_index)
         self.summary["stop_reason"] = reason or "unknown"
