@@ -6,10 +6,11 @@ real ``Heartbeat`` thread, and speaks the node's side of the protocol without tr
 
     join -> loop { AcquireCredits(consumed=<last grant>, want=large, last_round_seen)
                    grant: "the 8 workers use it" (sleep ceil(grant/8) * step_ms)
-                   round: ReportRound (every kind, as the local server does); GLOBAL with more
-                          than one node: the leader's node pushes global_leader, the others
+                   round: ReportRound for GLOBAL and FINAL rounds (a LOCAL round is the
+                          node's own, as in the local server); GLOBAL with more than one node: the leader's node pushes global_leader, the others
                           pull it; FINAL: leader pushes global_leader, every node pushes its
-                          sum (summands=8), node 0 pulls global_leader and average; then Leave }
+                          sum (summands=8), node 0 pulls global_leader and average; then Leave;
+                          the round's answer may carry a grant too, used after the round }
 
 Clients are Python and GIL-bound, so the 64 nodes are split over 2 client processes x 32
 threads (the machine has 2 cores: more processes would only add scheduling contention, one
@@ -34,7 +35,9 @@ without reports and status page, and with a report in every heartbeat (``_Beat``
 polling the page every second; the global server's CPU in both.
 
 Standalone: ``PYTHONPATH=. python -m bench.scale [--quick] [--status]``;
-``python -m bench.scale --sweep 64 256 512``: the paced scenario at each node count (issue 15).
+``python -m bench.scale --sweep 64 256 512``: the paced scenario at each node count (issue 15);
+``... --sweep 64 256 --against REV`` runs revision REV's sweep too, count by count, and prints
+the ratios.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ class Scenario:
 
 # ---------------------------------------------------------------------------------- node side
 class _Beat(threading.Thread):
-    """A node's heartbeat thread, as the local server's: every ``interval`` s, on the node's
+    """A node's heartbeat thread, as the local server's: every ``interval`` s (skipped as the
+    local server skips it while the node's own calls are answered), on the node's
     channel, with (``sc.reports``) a ``NodeReport`` of its workers built from ``live`` (steps,
     newest round) as the local server's view would: losses, distances to the leader, a local
     leader, and on node 0 one evaluation per global round (sent until the server holds it)."""
@@ -139,8 +143,16 @@ class _Beat(threading.Thread):
     def run(self) -> None:
         from lsgd.proto import lsgd_pb2 as pb
 
+        from lsgd.local_server.global_client import REPORT_EVERY
+
+        beaten = -math.inf
         while not self.halt.wait(self.interval):
             c = self.client
+            now = time.monotonic()  # as the local server's Heartbeat: skipped while the node's
+            if (now - c.answered_at < self.interval  # own calls keep it alive, down to one
+                    and now - beaten < REPORT_EVERY * self.interval):  # beat in REPORT_EVERY
+                continue
+            beaten = now
             req = pb.HeartbeatRequest(node=pb.NodeId(job_id=JOB_ID, node_index=c.node_index,
                                                      session=c.session))
             if self.sc.reports:
@@ -162,7 +174,7 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
     import numpy as np
 
     from lsgd.leader import Candidate
-    from lsgd.local_server.global_client import GlobalClient
+    from lsgd.local_server.global_client import GlobalClient, RoundAnswer
     from lsgd.rules.base import RoundKind
 
     rng = random.Random(index)
@@ -174,6 +186,7 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
     vec = np.full(sc.param_count, float(index), dtype=np.float32)
     buf = np.empty(sc.param_count, dtype=np.float32)
     held = 0
+    took = time.monotonic()
     last_round_seen = 0
     live: dict[str, Any] = {"steps": 0, "round": 0, "kind": "", "evaluations": [],
                             "t0": time.monotonic()}
@@ -187,7 +200,8 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
         hb.start()
         while not stop.is_set():
             ans = client.acquire(consumed=held, late=0, released=0, want=WANT,
-                                 last_round_seen=last_round_seen, max_wait=0.5)
+                                 last_round_seen=last_round_seen, max_wait=0.5,
+                                 used=time.monotonic() - took)  # as the local server times it
             out["acquires"] += 1
             held = 0
             if ans.round_id > last_round_seen:
@@ -198,7 +212,10 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
                 if kind == RoundKind.GLOBAL and index == 0:
                     live["evaluations"].append((rid, ans.round_iteration))
                 best = Candidate(index * sc.workers + rng.randrange(sc.workers), rng.random())
-                r = client.report_round(rid, best, sc.workers)
+                if kind == RoundKind.LOCAL:  # as the local server does: its own round, no call
+                    r = RoundAnswer(False, best, index, sc.workers, (index,))
+                else:
+                    r = client.report_round(rid, best, sc.workers)
                 t_report = time.monotonic()
                 role = ""
                 if not r.missed and kind == RoundKind.GLOBAL and r.leader and len(r.nodes) > 1:
@@ -225,8 +242,8 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
                                "participants": r.participants})
                 if kind == RoundKind.FINAL:
                     break
-                continue
-            if ans.grant:
+            took = time.monotonic()  # the steps reported next are timed from here
+            if ans.grant:  # after the round when the round's answer carries it
                 out["grants"] += 1
                 if out["first_grant"] is None:
                     out["first_grant"] = time.monotonic()
@@ -635,11 +652,69 @@ def sweep(counts: list[int], rounds: int = 16) -> list[dict[str, Any]]:
     return rows
 
 
+def compare(counts: list[int], against: str) -> int:
+    """The sweep of this checkout and of revision ``against`` (its own server, nodes and
+    harness, from a git worktree), one after the other at each node count, so that both see the
+    same host; then the ratios (this checkout / ``against``)."""
+    rev = subprocess.run(["git", "rev-parse", "--short", against], cwd=REPO, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="lsgd-bench-against-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], cwd=REPO,
+                       check=True)
+        try:
+            pairs = []
+            for n in counts:
+                done = subprocess.run([sys.executable, "-m", "bench.scale", "--sweep", str(n)],
+                                      cwd=tree, capture_output=True, text=True, timeout=900,
+                                      env=os.environ | {"PYTHONPATH": str(tree)})
+                rows = [json.loads(line) for line in done.stdout.splitlines()
+                        if line.startswith("{")]
+                if not rows:
+                    print(f"bench.scale: the sweep of {rev} at {n} nodes printed no row:\n"
+                          f"{done.stderr[-2000:]}", file=sys.stderr)
+                    return 1
+                old = rows[0] | {"rev": rev}
+                print(json.dumps(old), flush=True)
+                new = sweep([n])[0] | {"rev": "this checkout"}
+                pairs.append((old, new))
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO,
+                           check=False)
+    print(f"\nthis checkout against {rev}, same host, one after the other:")
+    print("| nodes | result (old → new) | p99 round latency | server CPU | CPU per round | "
+          "calls per round |")
+    print("|---|---|---|---|---|---|")
+    for old, new in pairs:
+        def cell(key: str, unit: str = "") -> str:
+            a, b = old.get(key), new.get(key)
+            if a is None or b is None:
+                return f"{a} → {b}"
+            return f"{a:g}{unit} → {b:g}{unit} ({b / a:.2f}×)" if a else f"{a} → {b}"
+        ok = f"{'ok' if old['ok'] else 'failed'} → {'ok' if new['ok'] else 'failed'}"
+        print(f"| {new['nodes']} | {ok} ({old['errors']} → {new['errors']} errors) | "
+              f"{cell('p99_ms', ' ms')} | {cell('server_cpu_pct', '%')} | "
+              f"{cell('server_cpu_s_per_round', ' s')} | {cell('calls_per_round')} |")
+    return 0 if all(new["ok"] for _, new in pairs) else 1
+
+
 def main(argv: list[str]) -> int:
     if len(argv) >= 2 and argv[0] == "--client":
         return client_main(argv[1])
     if argv and argv[0] == "--sweep":
-        rows = sweep([int(a) for a in argv[1:]] or [64, 256, 512])
+        args = argv[1:]
+        against = None
+        if "--against" in args:
+            k = args.index("--against")
+            if k + 1 >= len(args):
+                print("bench.scale: --against needs a git revision, e.g. --against HEAD~3",
+                      file=sys.stderr)
+                return 2
+            against, args = args[k + 1], args[:k] + args[k + 2:]
+        counts = [int(a) for a in args] or [64, 256, 512]
+        if against is not None:
+            return compare(counts, against)
+        rows = sweep(counts)
         return 0 if all(r["ok"] for r in rows) else 1
     quick = "--quick" in argv
     t = time.monotonic()

@@ -52,13 +52,13 @@ def join_all_rest(c):
 
 
 def drain(c, s, nodes, now=0.0):
-    """Nodes take and use credits in turn until a round opens; returns (round, grants)."""
+    """Nodes take and use credits in turn until a round opens; returns (round, grants).
+
+    Each node uses every credit it holds, those a previous round's answer carried included."""
     grants = []
-    held = {i: 0 for i in nodes}
     for _ in range(1000):
         for i in nodes:
-            ans = acq(c, s, i, consumed=held[i], now=now)
-            held[i] = ans.grant
+            ans = acq(c, s, i, consumed=c.nodes[i].outstanding, now=now)
             grants.append(ans.grant)
             if ans.round is not None:
                 return ans.round, grants
@@ -170,7 +170,8 @@ def test_iteration_budget_ends_with_a_final_round_at_exactly_the_budget():
             if ans.round.kind == RoundKind.FINAL:
                 break
             c.report(0, s[0], ans.round.id, None, 2, now=0)
-            acq(c, s, 0, seen=ans.round.id, want=0)
+            total += ans.grant  # the round's answer carries the first credits after it
+            acq(c, s, 0, seen=ans.round.id, consumed=ans.grant, want=0)
             continue
         if ans.grant:
             total += ans.grant
@@ -313,3 +314,26 @@ def test_a_reattaching_node_takes_part_in_the_round_that_waits_for_it():
     assert node.last_round_seen == rnd.id - 1  # it will be told of this round, not skip it
     assert c.acquire(1, s[1], consumed=0, late=0, released=0, want=1, last_round_seen=rnd.id - 1,
                      now=0, seq=2).round.id == rnd.id
+
+
+def test_a_round_answer_carries_the_first_credits_after_the_round_but_the_final_one_none():
+    c = make(num_groups=2, workers=2, l_comm=2, g_comm=4, iters=16)  # local 8, global 16: final
+    s = join_all(c, 2)
+    rnd, grants = drain(c, s, [0, 1])  # the call that opened the round learnt of it
+    assert rnd.kind == RoundKind.LOCAL and rnd.iteration == 8
+    first = next(i for i in (0, 1) if c.nodes[i].outstanding)
+    other = 1 - first
+    assert grants[-1] == 2 == c.outstanding  # half a fair share of the next 8-step period
+    ans = acq(c, s, other, seen=0)  # the other node learns of the round: credits too
+    assert ans.round is rnd and ans.grant == 2 and not ans.wait
+    assert c.outstanding == 4 and c.done == 8
+    for i in (0, 1):
+        c.nodes[i].last_round_seen = rnd.id
+    for _ in range(100):  # use every credit up to the final round
+        for i in (0, 1):
+            a = acq(c, s, i, consumed=c.nodes[i].outstanding)
+            if a.round is not None and a.round.kind == RoundKind.FINAL:
+                assert a.grant == 0 and c.outstanding == 0 and c.done == 16
+                return
+            assert c.done + c.outstanding <= c.target
+    raise AssertionError("the final round never opened")

@@ -133,7 +133,7 @@ def test_over_grpc_a_stop_reaches_the_other_node_and_its_rejoin(tmp_path):
         assert stop_reason_of(e.value) == "job stopped on node 0: interrupted"
     finally:
         srv.stop(grace=0.5).wait(5)
-    assert 1 < stop_linger(config) <= 3.0
+    assert 1 < stop_linger(config) <= 4.0  # three beats (one may be skipped) and a margin
 
 
 class FakeNode(EndingMixin):

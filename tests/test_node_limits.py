@@ -155,6 +155,7 @@ class _BeatCounter:
 
     def __init__(self) -> None:
         self.beats = 0
+        self.answered_at = float("-inf")  # when the node loop's own call was last answered
 
     def beat(self, report):
         from lsgd.proto import lsgd_pb2 as pb
@@ -187,6 +188,42 @@ def test_the_heartbeat_stops_while_the_node_loop_is_stuck_and_goes_on_after():
         while client.beats < stopped_at + 5 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert not hb.loop_stuck and client.beats >= stopped_at + 5
+    finally:
+        hb.stop()
+
+
+def test_beats_thin_out_while_the_node_loops_own_calls_are_answered():
+    # a busy node's credit calls keep it alive on the server; its beats then only carry the
+    # status report, one every REPORT_EVERY intervals
+    import threading
+    import time
+    from lsgd.local_server.global_client import REPORT_EVERY, Heartbeat
+    client = _BeatCounter()
+    busy = threading.Event()
+
+    def loop_calls() -> None:  # the node loop, answered every 5 ms
+        while not busy.is_set():
+            client.answered_at = time.monotonic()
+            time.sleep(0.005)
+
+    hb = Heartbeat(client, interval=0.02, give_up=10.0)
+    hb.start()
+    try:
+        time.sleep(0.4)
+        idle = client.beats
+        assert idle >= 10  # no calls of the loop: a beat every interval
+        caller = threading.Thread(target=loop_calls)
+        caller.start()
+        before = client.beats
+        time.sleep(1.2)
+        busy.set()
+        caller.join()
+        thinned = client.beats - before
+        # unthinned, 1.2 s of 20 ms intervals would be 60 beats
+        assert 1 <= thinned <= 1.2 / (REPORT_EVERY * 0.02) + 3
+        after = client.beats
+        time.sleep(0.4)
+        assert client.beats - after >= 10  # idle again: every interval
     finally:
         hb.stop()
 

@@ -126,13 +126,13 @@ def node_report(index: int, rnd: int = 0, evaluations=(), start: int = 0) -> pb.
 
 
 def run_until_round(a: GlobalClient, b: GlobalClient, seen: int) -> tuple[int, int]:
-    """Both nodes take and use credits until a round opens; returns its (id, kind)."""
-    held = {0: 0, 1: 0}
+    """Both nodes take and use credits until a round opens; returns its (id, kind). What a
+    node holds stays with it (``held`` on its client), those a round's answer carried too."""
     for _ in range(200):
-        for i, c in ((0, a), (1, b)):
-            ans = c.acquire(consumed=held[i], late=0, released=0, want=100,
+        for c in (a, b):
+            ans = c.acquire(consumed=getattr(c, "held", 0), late=0, released=0, want=100,
                             last_round_seen=seen, max_wait=0)
-            held[i] = ans.grant
+            c.held = ans.grant
             if ans.round_id > seen:
                 return ans.round_id, ans.round_kind
     raise AssertionError("no round opened")

@@ -25,18 +25,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import random
 
 from ..leader import Candidate, elect
 from ..rules.base import RoundKind
-from . import claims
+from . import claims, shares
 from .membership import Membership
-from .records import (CoordinatorError, Grant, NodeState, RoundOutcome, RoundState, Schedule,
-                      _due)
+from .records import (CoordinatorError, Grant, NodeState, NodeTable, RoundOutcome, RoundState,
+                      Schedule, _due)
 from .stopping import JobStop
 
 log = logging.getLogger(__name__)
+
+DROP_SCAN = 0.05  # seconds between two of tick's passes looking for silent nodes
 
 __all__ = ["Coordinator", "CoordinatorError", "Grant", "NodeState", "RoundOutcome", "RoundState",
            "Schedule"]
@@ -58,7 +59,7 @@ class Coordinator(Membership, JobStop):
         self.join_deadline = now + join_timeout
         self.deadline = now + max_seconds if max_seconds is not None else None
         self.rng = rng or random.SystemRandom()
-        self.nodes: dict[int, NodeState] = {}
+        self.nodes: NodeTable = NodeTable()  # dict[int, NodeState] with running totals
         self.done = 0
         self.started = False
         self.stop_reason: str | None = None
@@ -75,11 +76,19 @@ class Coordinator(Membership, JobStop):
         self.stopped_at = 0.0
         self.told: set[int] = set()  # nodes that have been answered with ``stopped``
         self.last_leader: RoundState | None = None  # newest closed global round with a leader
+        self._scan_at = now  # when tick next looks for silent nodes
+        self.rate_sum = 0.0  # the live nodes' speeds at the newest round (0: not all known)
 
     # ------------------------------------------------------------------ helpers
     @property
     def outstanding(self) -> int:
-        return sum(n.outstanding for n in self.nodes.values() if n.alive)
+        """Credits the alive nodes hold (a running total: O(1))."""
+        return self.nodes.outstanding
+
+    @property
+    def live_count(self) -> int:
+        """Nodes alive and not left (a running total: O(1))."""
+        return self.nodes.live
 
     @property
     def live_nodes(self) -> list[NodeState]:
@@ -93,7 +102,7 @@ class Coordinator(Membership, JobStop):
     @property
     def all_gone(self) -> bool:
         """Every node that joined has left or been dropped (and at least one joined)."""
-        return bool(self.nodes) and not self.live_nodes
+        return bool(self.nodes) and not self.live_count
 
     def _node(self, index: int, session: int, now: float) -> NodeState:
         node = self.nodes.get(index)
@@ -128,8 +137,10 @@ class Coordinator(Membership, JobStop):
         self._consume(node, consumed, late, max(0, node.outstanding - consumed))
 
     def acquire(self, index: int, session: int, *, consumed: int, late: int, released: int,
-                want: int, last_round_seen: int, now: float, seq: int = 0) -> Grant:
-        """Report consumed steps and ask for ``want`` more credits.
+                want: int, last_round_seen: int, now: float, seq: int = 0,
+                used_ms: int = 0) -> Grant:
+        """Report consumed steps (taken in ``used_ms``, 0: not measured) and ask for ``want``
+        more credits.
 
         ``seq`` numbers the node's requests: the same number again is a retry and gets the
         same answer without counting anything twice; a smaller one is a replay and is refused.
@@ -145,8 +156,14 @@ class Coordinator(Membership, JobStop):
                                        f"{index} is older than {node.last_seq} (replayed)")
             if seq == node.last_seq and node.last_grant is not None:
                 return node.last_grant
-        grant = self._acquire(node, consumed=consumed, late=late, released=released, want=want,
-                              last_round_seen=last_round_seen, now=now)
+        timed = node.timed
+        node.timed = shares.sampled(*timed, consumed, used_ms)
+        try:
+            grant = self._acquire(node, consumed=consumed, late=late, released=released,
+                                  want=want, last_round_seen=last_round_seen, now=now)
+        except CoordinatorError:
+            node.timed = timed  # a refused request changes nothing
+            raise
         if seq:
             node.last_seq = seq
         node.last_grant = grant  # also the later passes of a long-poll: the answer sent last
@@ -165,20 +182,32 @@ class Coordinator(Membership, JobStop):
         self.tick(now)
         rnd = self.round
         if rnd is not None and node.last_round_seen < rnd.id and index in rnd.expected:
-            return Grant(round=rnd)
+            # A local round's answer also carries the node's first credits after it: one call
+            # less per node and round (issue 15). Not a global round's: credits held through
+            # its exchange (a slow download, a checkpoint) would stall the other nodes.
+            if rnd.kind != RoundKind.LOCAL:
+                return Grant(round=rnd)
+            return dataclasses.replace(self._grant(node, want), round=rnd, wait=False)
         if self.finished or (rnd is not None and rnd.kind == RoundKind.FINAL):
             return Grant(wait=False)
+        return self._grant(node, want)
+
+    def _grant(self, node: NodeState, want: int) -> Grant:
+        """Credits up to the next target for ``node``, or why there are none yet (``wait``).
+        The node's first credits of a period are a share in proportion to its speed once every
+        live node's is known; others, half a fair share (``shares.py``)."""
         if not self.started or want <= 0:
             return Grant(wait=want > 0)
         free = self.target - self.done - self.outstanding
         if free <= 0:
             return Grant(wait=True)
-        # Half a fair share of the period per request: a fast node comes back for more of what
-        # is left, so nodes of different speeds share a period without revoking credits.
-        live = max(1, len(self.live_nodes))
         period = min(self.target - self.period_start, self.schedule.global_period)
-        grant = min(want, free, max(1, math.ceil(period / (2 * live))))
+        opening = node.granted_in < self.rounds_opened  # no credits yet since the newest round
+        speed = shares.rate(*node.timed)
+        share = shares.proportional(period, speed, self.rate_sum) if opening else 0
+        grant = min(want, free, share or shares.half_fair(period, self.live_count))
         node.outstanding += grant
+        node.granted_in = self.rounds_opened
         return Grant(grant=grant)
 
     # ------------------------------------------------------------------ time
@@ -188,7 +217,12 @@ class Coordinator(Membership, JobStop):
         Returns the indices of the nodes dropped by this call.
         """
         dropped = []
-        for node in self.live_nodes:
+        # The pass over every node runs at most every DROP_SCAN seconds (it is O(N), and tick
+        # runs on every call): a silent node is dropped at most DROP_SCAN after its timeout.
+        scan = now >= self._scan_at or now < self._scan_at - DROP_SCAN
+        if scan:
+            self._scan_at = now + DROP_SCAN
+        for node in self.live_nodes if scan else ():
             if now - node.last_seen > self.node_timeout:
                 node.alive, node.dropped_at = False, now
                 node.spare += node.outstanding  # forfeited, but it may still step on them
@@ -196,10 +230,10 @@ class Coordinator(Membership, JobStop):
                 dropped.append(node.index)
                 log.warning("node %d dropped: silent for %.1f s (node_timeout %g s)",
                             node.index, now - node.last_seen, self.node_timeout)
-        if not self.started and now >= self.join_deadline and self.live_nodes:
+        if not self.started and now >= self.join_deadline and self.live_count:
             self.started = True
             log.warning("starting with %d of %d nodes after the join timeout",
-                        len(self.live_nodes), self.num_groups)
+                        self.live_count, self.num_groups)
         if self.deadline is not None and now >= self.deadline and self.stop_reason is None:
             self._stop("time budget reached", now)
         self._forfeit_after_stop(now)
@@ -249,8 +283,12 @@ class Coordinator(Membership, JobStop):
         if self.target_kind == RoundKind.FINAL and self.stop_reason is None:
             self.stop_reason = "iteration budget reached"
         self.rounds_opened += 1
+        live = self.live_nodes
         self.round = RoundState(self.rounds_opened, self.target_kind, self.target, now,
-                                expected={n.index for n in self.live_nodes})
+                                expected={n.index for n in live})
+        # Shares in proportion to speed only once every live node's speed is known.
+        speeds = [shares.rate(*n.timed) for n in live]
+        self.rate_sum = sum(speeds) if all(v > 0 for v in speeds) else 0.0
         if self.target_kind == RoundKind.GLOBAL:
             self.round.evaluate, self.next_eval = _due(self.target, self.eval_every, self.next_eval)
             self.round.checkpoint, self.next_checkpoint = _due(self.target, self.checkpoint_every,
@@ -277,10 +315,17 @@ class Coordinator(Membership, JobStop):
         rnd = self.round
         if rnd is None or rnd.closed:
             return
-        waiting = {i for i in rnd.expected - set(rnd.reports)
-                   if self.nodes[i].alive and not self.nodes[i].left}
-        if waiting and now - rnd.opened_at < self.round_timeout:
+        pending = rnd.pending
+        while pending:  # drop the front while it is done: it cannot be waited for again
+            i = next(iter(pending))
+            node = self.nodes[i]
+            if i not in rnd.reports and node.alive and not node.left:
+                break
+            pending.discard(i)
+        if pending and now - rnd.opened_at < self.round_timeout:
             return
+        waiting = {i for i in pending
+                   if i not in rnd.reports and self.nodes[i].alive and not self.nodes[i].left}
         if waiting:
             log.warning("round %d closed without node(s) %s after %g s", rnd.id, sorted(waiting),
                         self.round_timeout)
@@ -384,6 +429,8 @@ class Coordinator(Membership, JobStop):
 
     def missing_nodes(self) -> list[int]:
         """Nodes of the job that are not taking part now: never joined, dropped or left."""
+        if self.live_count == self.num_groups:  # the usual answer, without a pass over N nodes
+            return []
         live = {n.index for n in self.live_nodes}
         return [i for i in range(self.num_groups) if i not in live]
 

@@ -70,9 +70,9 @@ class Membership:
                          last_round_seen=self._round_seen_on_join(index),
                          consumed=old.consumed if old is not None else 0)  # the index's total
         self.nodes[index] = node
-        if len(self.live_nodes) == self.num_groups:
+        if self.live_count == self.num_groups:
             self.started = True
-        log.info("node %d joined (%d/%d live)", index, len(self.live_nodes), self.num_groups)
+        log.info("node %d joined (%d/%d live)", index, self.live_count, self.num_groups)
         return node
 
     def _replace(self, old: NodeState, now: float) -> None:
@@ -145,6 +145,7 @@ class Membership:
         if rnd is None:
             return 0
         if not rnd.closed and index in rnd.expected and index not in rnd.reports:
+            rnd.pending.add(index)  # the round waits for it again, as for any expected node
             return rnd.id - 1
         return rnd.id
 

@@ -62,8 +62,14 @@ class Schedule:
         return target, kind
 
 
+_COUNTED = frozenset({"outstanding", "alive", "left", "session"})
+
+
 @dataclass
 class NodeState:
+    """One node as the coordinator sees it. Once in a ``NodeTable``, every change of a counted
+    field (``_COUNTED``) goes through ``__setattr__`` into the table's running totals."""
+
     index: int
     session: int
     workers: int
@@ -79,6 +85,54 @@ class NodeState:
     last_seq: int = 0  # newest numbered credit request
     last_grant: "Grant | None" = None  # the answer to it (given again to a retry)
     needs_resume: bool = False  # restored from saved state: must reattach (Join) first
+    timed: tuple[float, float] = (0.0, 0.0)  # decaying sums of steps and their ms (shares.py)
+    granted_in: int = -1  # the newest round opened when it was last granted credits
+
+    def __setattr__(self, name: str, value: object) -> None:
+        table = self.__dict__.get("_table")
+        if table is None or name not in _COUNTED:
+            object.__setattr__(self, name, value)
+            return
+        if name == "session" and value != self.__dict__.get("session"):
+            table.version += 1
+        table._count(self, -1)
+        object.__setattr__(self, name, value)
+        table._count(self, 1)
+
+
+class NodeTable(dict):
+    """The coordinator's nodes by index, with running totals kept as their fields change, so
+    that no call is O(nodes): the credits alive nodes hold, the number of live nodes (alive and
+    not left), and a version that moves on every join and new session (what the journal's
+    membership file must follow)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.outstanding = 0
+        self.live = 0
+        self.version = 0
+
+    def _count(self, node: NodeState, sign: int) -> None:
+        if node.alive:
+            self.outstanding += sign * node.outstanding
+            if not node.left:
+                self.live += sign
+
+    def __setitem__(self, index: int, node: NodeState) -> None:
+        old = self.get(index)
+        if old is not None:
+            self._count(old, -1)
+            object.__setattr__(old, "_table", None)
+        super().__setitem__(index, node)
+        object.__setattr__(node, "_table", self)
+        self._count(node, 1)
+        self.version += 1
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise TypeError("nodes are added one by one and never removed (they leave or are "
+                        "dropped): the running totals count every one")
+
+    __delitem__ = pop = popitem = clear = setdefault = update = _refuse  # type: ignore[assignment]
 
 
 @dataclass
@@ -94,6 +148,13 @@ class RoundState:
     leader_node: int | None = None
     evaluate: bool = False  # nodes upload their sums so that node 0 can evaluate the average
     checkpoint: bool = False  # every node (and the server) saves a checkpoint at this round
+    # Expected nodes not yet known to be done with the round (reported, dropped or left):
+    # trimmed lazily from the front, so that checking whether the round still waits is O(1)
+    # amortised rather than a pass over every node on every call.
+    pending: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.pending = set(self.expected)
 
 
 @dataclass(frozen=True)

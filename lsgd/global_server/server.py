@@ -46,9 +46,11 @@ SERVER_OPTIONS = GRPC_OPTIONS + [
 
 
 def stop_linger(config: JobConfig) -> float:
-    """Seconds the server serves on after a job stop so that every node hears of it: two
-    heartbeats of the nodes (``LocalServer``: every ``min(1, node_timeout/5)`` s) and a margin."""
-    return 2 * min(1.0, config.node_timeout / 5) + 1.0
+    """Seconds the server serves on after a job stop so that every node hears of it: three
+    heartbeat intervals of the nodes (``LocalServer``: every ``min(1, node_timeout/5)`` s; a
+    beat may be skipped once after the node loop's own call was answered) and a margin. It
+    ends sooner once every live node has been told."""
+    return 3 * min(1.0, config.node_timeout / 5) + 1.0
 
 
 def build_servicer(config: JobConfig) -> GlobalServicer:

@@ -157,12 +157,12 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         result = fn()
         self._after_change()
         self._observe()
-        if self._state() != before:
+        after = self._state()
+        if after[0] > before[0] or after[1:] != before[1:]:  # more free credits, or news
             self.cond.notify_all()
         if self.journal is not None:
             c = self.coord
-            key = ((c.rounds_opened, c.target, c.stop_reason),
-                   tuple(n.session for n in c.nodes.values()))
+            key = ((c.rounds_opened, c.target, c.stop_reason), c.nodes.version)
             if key != self._journaled:
                 members = key[1] != self._journaled[1]
                 if members:
@@ -186,10 +186,17 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self._over = self.coord.finished or self.coord.stopped is not None
 
     def _state(self) -> tuple:
-        """What a long-poll can be waiting for: a pass that leaves it unchanged wakes nobody."""
+        """What a long-poll can be waiting for: a pass that leaves it unchanged wakes nobody.
+
+        Free credits first, not the counter: a node's report of steps it took on its credits
+        moves them from held to done and frees none, and a grant only takes free credits, so
+        the most frequent calls wake no poll (``_change`` wakes them when free credits grow or
+        anything else here changes; every poll that wakes runs a credit request of its own).
+        """
         c = self.coord
-        return (c.done, c.outstanding, c.rounds_opened, c.round.closed if c.round else None,
-                len(c.live_nodes), c.started, c.stop_reason)
+        return (c.target - c.done - c.outstanding, c.rounds_opened,
+                c.round.closed if c.round else None, c.live_count, c.started, c.stop_reason,
+                c.stopped)
 
     def _note_weight(self, request: pb.ReportRoundRequest) -> None:
         """Keep the weight of a node's sum for the open global round's reduce: only from a
@@ -274,7 +281,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         coord = self.coord
         resp = pb.HeartbeatResponse(counter=coord.done, epoch=self.epoch,
                                     stopped=coord.stopped_for(index),
-                                    nodes_alive=len(coord.live_nodes),
+                                    nodes_alive=coord.live_count,
                                     nodes_missing=coord.missing_nodes()[:64],
                                     job_started=coord.started, rounds=coord.rounds_opened)
         best = coord.last_leader
@@ -289,7 +296,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         node = request.node
         end = self.clock() + min(MAX_CREDIT_WAIT, request.max_wait_ms / 1000.0)
         counts = dict(consumed=request.consumed, late=request.late_consumed,
-                      released=request.released, seq=request.seq)
+                      released=request.released, seq=request.seq, used_ms=request.used_ms)
         try:
             with self.cond:
                 self._check(node)
@@ -297,11 +304,13 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                     grant = self._change(lambda: self.coord.acquire(
                         node.node_index, node.session, want=request.want,
                         last_round_seen=request.last_round_seen, now=self.clock(), **counts))
-                    counts = dict(consumed=0, late=0, released=0, seq=0)  # applied once
+                    counts = dict(consumed=0, late=0, released=0, seq=0, used_ms=0)  # once
                     left = end - self.clock()
                     if not grant.wait or left <= 0 or not context.is_active():
                         break
-                    self.cond.wait(min(left, 0.1))
+                    # Woken by a change that can end the wait (``_state``: free credits, a
+                    # round, the start, a stop); time-driven ones come from the server's ticker.
+                    self.cond.wait(left)
                 resp = pb.AcquireCreditsResponse(grant=grant.grant, counter=self.coord.done,
                                                  epoch=self.epoch,
                                                  stopped=self.coord.stopped_for(node.node_index))

@@ -267,7 +267,7 @@ class StatusBoard:
         state = self.state(coord)
         return {"iterations": coord.done, "budget": coord.schedule.max_iterations,
                 "rounds": dict(self.kinds), "rate": self.rate(coord.done, now) or 0.0,
-                "alive": len(coord.live_nodes), "expected": coord.num_groups,
+                "alive": coord.live_count, "expected": coord.num_groups,
                 "latency": list(self.latency), "latency_sum": self.latency_sum,
                 "over": state in ("finished", "stopped"), "restarts": self.restarts}
 

@@ -22,7 +22,7 @@ from ..rules.base import (CENTER, GLOBAL_LEADER, LOCAL_LEADER, SUM, Contribution
                           RoundKind, RoundRoles, node_weights)
 from . import checkpoint
 from . import messages as m
-from .global_client import RPC_TIMEOUT, CreditAnswer
+from .global_client import RPC_TIMEOUT, CreditAnswer, RoundAnswer
 from .rounds import readers
 from .state import Report
 
@@ -72,7 +72,11 @@ class RoundMixin:
         center = self.rule.exchange == Exchange.CENTER and kind == RoundKind.GLOBAL
         after = center and self.rule.pull_after_exchange  # pulls toward this round's center
         weight = self._sum_slots(joins, weighted=True) if center and joins else 0.0
-        answer = self._report(rid, best, len(joins), weight)
+        if kind == RoundKind.LOCAL:  # the node's own: the global server has nothing to add
+            answer = RoundAnswer(False, best, self.cfg.node_index if best else None, len(joins),
+                                 (self.cfg.node_index,))
+        else:
+            answer = self._report(rid, best, len(joins), weight)
         exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
         self.view.on_round(rid, kind.name.lower(), answer.leader if exchanged else None,
                            answer.leader_node if exchanged else None)

@@ -97,6 +97,7 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
                                    security)
         self.heartbeat: Heartbeat | None = None
         self.pool = 0
+        self.used_since = time.monotonic()  # the steps reported next were taken since then
         self.share = 1  # credits handed to a worker per request
         self.report = Report()
         self.pending: deque[int] = deque()
@@ -518,6 +519,7 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
             if answer is not None:
                 if self._run_round(answer):
                     return
+                self._take(answer.grant)  # the credits the round's answer carried, for after it
                 continue  # the round's participants now wait for credits: serve them first
             msg = self._recv()
             if msg is not None:
@@ -578,10 +580,16 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
                 return answer
             if answer.grant == 0:
                 return None
-            self.pool += answer.grant
-            # Each worker takes an equal share of the grant; a faster one comes back for more.
-            self.share = math.ceil(self.pool / len(self._live()))
+            self._take(answer.grant)
         return None
+
+    def _take(self, grant: int) -> None:
+        """Add granted credits to the pool. Each worker takes an equal share of the grant; a
+        faster one comes back for more. The steps reported next are timed from here."""
+        self.used_since = time.monotonic()
+        if grant:
+            self.pool += grant
+            self.share = math.ceil(self.pool / max(1, len(self._live())))
 
     def _acquire(self, want: int) -> CreditAnswer:
         r, self.report = self.report, Report()
@@ -592,7 +600,9 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
             busy = any(w.outstanding for w in self._live())
             answer = self.client.acquire(consumed=r.consumed, late=r.late, released=r.released,
                                          want=want, last_round_seen=self.last_round_seen,
-                                         max_wait=0.0 if busy else 0.5)
+                                         max_wait=0.0 if busy else 0.5,
+                                         used=time.monotonic() - self.used_since)
+            self.used_since = time.monotonic()
             self.view.on_counter(answer.counter)
             return answer
         except grpc.RpcError as exc:

@@ -191,7 +191,7 @@ class NodeReport(_message.Message):
     def __init__(self, steps: _Optional[int] = ..., rate: _Optional[float] = ..., workers_training: _Optional[int] = ..., reattaches: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerStat, _Mapping]]] = ..., has_local_leader: _Optional[bool] = ..., local_leader: _Optional[_Union[Candidate, _Mapping]] = ..., evaluations_from: _Optional[int] = ..., evaluations: _Optional[_Iterable[_Union[Evaluation, _Mapping]]] = ...) -> None: ...
 
 class AcquireCreditsRequest(_message.Message):
-    __slots__ = ("node", "consumed", "late_consumed", "released", "want", "last_round_seen", "max_wait_ms", "seq")
+    __slots__ = ("node", "consumed", "late_consumed", "released", "want", "last_round_seen", "max_wait_ms", "seq", "used_ms")
     NODE_FIELD_NUMBER: _ClassVar[int]
     CONSUMED_FIELD_NUMBER: _ClassVar[int]
     LATE_CONSUMED_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class AcquireCreditsRequest(_message.Message):
     LAST_ROUND_SEEN_FIELD_NUMBER: _ClassVar[int]
     MAX_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    USED_MS_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     consumed: int
     late_consumed: int
@@ -208,7 +209,8 @@ class AcquireCreditsRequest(_message.Message):
     last_round_seen: int
     max_wait_ms: int
     seq: int
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., consumed: _Optional[int] = ..., late_consumed: _Optional[int] = ..., released: _Optional[int] = ..., want: _Optional[int] = ..., last_round_seen: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., seq: _Optional[int] = ...) -> None: ...
+    used_ms: int
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., consumed: _Optional[int] = ..., late_consumed: _Optional[int] = ..., released: _Optional[int] = ..., want: _Optional[int] = ..., last_round_seen: _Optional[int] = ..., max_wait_ms: _Optional[int] = ..., seq: _Optional[int] = ..., used_ms: _Optional[int] = ...) -> None: ...
 
 class Round(_message.Message):
     __slots__ = ("id", "kind", "iteration")

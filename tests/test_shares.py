@@ -1,0 +1,112 @@
+"""Shares of a period (issue 15): once every node's speed is known, the answer that names a
+round gives each node a share in proportion to its speed, so a node makes one credit call per
+period and nodes of different speeds still finish a period together."""
+
+import pytest
+
+from lsgd.global_server import shares
+from lsgd.global_server.coordinator import Coordinator, Schedule
+
+
+def test_speed_is_a_ratio_of_decaying_sums_and_ignores_what_is_not_a_sample():
+    s = shares.sampled(0.0, 0.0, 100, 1000)
+    assert shares.rate(*s) == pytest.approx(100.0)
+    # the workers that came back first, then the rest a moment later: the ratio of sums stays
+    # near the true 100 steps/s where an average of the two ratios would say 525
+    s = shares.sampled(*s, 10, 1000)
+    s = shares.sampled(*s, 90, 100)
+    assert 80 < shares.rate(*s) < 125
+    assert shares.sampled(*s, 0, 500) == s and shares.sampled(*s, 5, 0) == s
+    assert shares.sampled(*s, 5, shares.MAX_USED_MS + 1) == s
+    assert shares.rate(0.0, 0.0) == 0.0
+    assert shares.proportional(64, 1.0, 0.0) == 0 and shares.proportional(64, 0.0, 3.0) == 0
+    assert shares.proportional(64, 1.0, 4.0) == 16 and shares.half_fair(64, 4) == 8
+
+
+def simulate(speeds, periods=12, local=True, measured=True):
+    """Nodes stepping at ``speeds`` (steps per second each) on a coordinator, in virtual time,
+    as the local server does: use the credits held, report them with the time they took, take
+    the answer's credits after its round; a node with nothing to do long-polls (one call,
+    answered when a round opens or credits are freed). Returns (credit calls per node and period after the
+    first two periods, seconds per period after the first two, the coordinator)."""
+    n = len(speeds)
+    sched = Schedule.for_job(num_groups=n, workers=4, l_comm=4, g_comm=16, local_rounds=local,
+                             max_iterations=None)
+    c = Coordinator(job_id="j", algorithm="lsgd", num_groups=n, workers=4, schedule=sched,
+                    max_seconds=None, node_timeout=1e9, round_timeout=1e9, join_timeout=1e9,
+                    now=0.0)
+    s = {i: c.join(job_id="j", index=i, workers=4, algorithm="lsgd", num_groups=n,
+                   now=0.0).session for i in range(n)}
+    held = {i: 0 for i in range(n)}
+    busy_until = {i: 0.0 for i in range(n)}  # when the node has used what it holds
+    since = {i: 0.0 for i in range(n)}
+    seen = {i: 0 for i in range(n)}
+    waiting: set[int] = set()
+    calls, opened_at = [], []
+
+    def ask(i, t, resumed=False):  # resumed: a long-poll's next pass, the same call
+        g = c.acquire(i, s[i], consumed=held[i], late=0, released=0, want=1 << 30,
+                      last_round_seen=seen[i], now=t,
+                      used_ms=int((t - since[i]) * 1000) if measured else 0)
+        if not resumed:
+            calls.append((t, i))
+        held[i] = g.grant
+        if g.round is not None:
+            seen[i] = g.round.id
+            if g.round.kind != g.round.kind.LOCAL:
+                c.report(i, s[i], g.round.id, None, 4, t)
+        if g.wait:
+            waiting.add(i)
+        else:
+            waiting.discard(i)
+            since[i] = t
+            busy_until[i] = t + g.grant / speeds[i]
+        if len(opened_at) < c.rounds_opened:
+            opened_at.append(t)
+
+    t = 0.0
+    while len(opened_at) < periods:
+        ready = [i for i in range(n) if i not in waiting]
+        if not ready or len(calls) > 100_000:
+            raise AssertionError("every node waits: a hang")
+        i = min(ready, key=lambda j: busy_until[j])
+        t = max(t, busy_until[i])
+        ask(i, t)
+        for j in sorted(waiting):  # a round or freed credits wake the polls
+            if j != i and (c.round is not None and seen[j] < c.round.id
+                           or c.target - c.done - c.outstanding > 0):
+                ask(j, t, resumed=True)
+    start, end = opened_at[1], opened_at[-1]
+    steady = [i for (when, i) in calls if start <= when < end]
+    rounds = len(opened_at) - 2
+    return len(steady) / (n * rounds), (end - start) / rounds, c
+
+
+def test_equal_nodes_make_one_credit_call_per_period_once_their_speed_is_known():
+    per_call, per_round, c = simulate([100.0] * 4)
+    half, half_round, _ = simulate([100.0] * 4, measured=False)
+    # one call per local period instead of two; a global period takes two (below): 1.25
+    assert per_call <= 1.3 < 1.8 <= half
+    ideal = c.schedule.local_period / 400.0
+    assert per_round == pytest.approx(ideal, rel=0.02)
+    assert half_round == pytest.approx(ideal, rel=0.02)
+    assert c.done == sum(n.consumed for n in c.nodes.values())
+
+
+@pytest.mark.parametrize("speeds", [[300.0, 100.0], [100.0, 100.0, 400.0, 50.0]])
+def test_nodes_of_different_speeds_get_shares_in_proportion_and_lose_no_time(speeds):
+    per_call, per_round, c = simulate(speeds)
+    ideal = c.schedule.local_period / sum(speeds)  # every node busy all period long
+    assert per_round == pytest.approx(ideal, rel=0.05)
+    assert per_call <= 1.3
+    _, half_round, _ = simulate(speeds, measured=False)
+    assert per_round <= half_round * 1.01  # never slower than half shares
+
+
+def test_without_local_rounds_the_global_rounds_share_by_speed_too():
+    # a global round's answer carries no credits (held through its exchange, they would stall
+    # the others): the node asks after the round, then reports and waits for the next one
+    per_call, per_round, c = simulate([200.0, 100.0], local=False)
+    assert per_round == pytest.approx(c.schedule.global_period / 300.0, rel=0.05)
+    assert 1.9 <= per_call <= 2.1
+    assert c.done == sum(n.consumed for n in c.nodes.values())
