@@ -4,8 +4,9 @@ Two nodes, one worker each (``bench.jobs:paced``): node 0's steps take 5 ms, nod
 (sleeps, standing for work done elsewhere, so the two cores are left to lsgd). For each rule
 (lsgd, easgd, easgd-async, downpour, gosgd) the fast node's steps per second over the window in
 which both nodes train, against the baseline measured in the same run: the fast node alone
-(one node, easgd-async). A synchronous rule meets in rounds, so the fast node waits for the slow
-one at every round; an asynchronous rule has no barrier. Also per rule: the slow node's rate,
+(one node, easgd-async). A synchronous rule meets in rounds, but each node's share of a period
+is in proportion to its speed (lsgd/global_server/shares.py), so the fast node is not held to
+the slow one's pace; an asynchronous rule has no barrier. Also per rule: the slow node's rate,
 how long the fast node idles at the end of the time budget (its last ``step()`` call: the final
 round waits for the credits the slow node still holds), and the CPU of the local servers (node
 main processes, the sync thread included) and of the global server; and, for easgd-async, the
@@ -135,12 +136,16 @@ def _row(rule: str, r: dict, base: float, metric: str, size: int = 100_000,
     slow = next(w for w in r["workers"] if w["node"] == 1)
     got = window_rate(r["workers"], fast)
     synchronous = rule in SYNCHRONOUS
-    goal = "< 0.6x (held by the slow node)" if synchronous else ">= 0.9x"
+    # A synchronous rule still meets at every round, but each node's share of a period is in
+    # proportion to its speed (shares.py), so the fast node is no longer held to the slow
+    # one's pace; the first period (speeds not known yet) is shared by node count.
+    bar = 0.7 if synchronous else 0.9
+    goal = f">= {bar}x" + (" (shares by speed)" if synchronous else "")
     return Result(
         TARGET, metric, got, "steps/s", baseline=base,
         baseline_name="fast node alone, same run", ratio=got / base, ratio_note="value / baseline",
         goal=goal if size == 100_000 else "",
-        met=((got / base < 0.6) if synchronous else (got / base >= 0.9)) if size == 100_000 else None,
+        met=(got / base >= bar) if size == 100_000 else None,
         extra={"rule": rule, "parameters": size, "sync_every": sync_every, "g_comm": g_comm,
                "syncs": r["syncs"],
                "slow_steps_per_s": window_rate(r["workers"], slow),

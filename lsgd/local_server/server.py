@@ -602,7 +602,8 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
                                          want=want, last_round_seen=self.last_round_seen,
                                          max_wait=0.0 if busy else 0.5,
                                          used=time.monotonic() - self.used_since)
-            self.used_since = time.monotonic()
+            if r.consumed:  # a call without steps leaves the window open (an idle poll)
+                self.used_since = time.monotonic()
             self.view.on_counter(answer.counter)
             return answer
         except grpc.RpcError as exc:
