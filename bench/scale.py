@@ -656,45 +656,27 @@ def compare(counts: list[int], against: str) -> int:
     """The sweep of this checkout and of revision ``against`` (its own server, nodes and
     harness, from a git worktree), one after the other at each node count, so that both see the
     same host; then the ratios (this checkout / ``against``)."""
-    rev = subprocess.run(["git", "rev-parse", "--short", against], cwd=REPO, check=True,
-                         capture_output=True, text=True).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="lsgd-bench-against-") as tmp:
-        tree = Path(tmp) / "tree"
-        subprocess.run(["git", "worktree", "add", "--detach", "-q", str(tree), rev], cwd=REPO,
-                       check=True)
-        try:
-            pairs = []
-            for n in counts:
-                done = subprocess.run([sys.executable, "-m", "bench.scale", "--sweep", str(n)],
-                                      cwd=tree, capture_output=True, text=True, timeout=900,
-                                      env=os.environ | {"PYTHONPATH": str(tree)})
-                rows = [json.loads(line) for line in done.stdout.splitlines()
-                        if line.startswith("{")]
-                if not rows:
-                    print(f"bench.scale: the sweep of {rev} at {n} nodes printed no row:\n"
-                          f"{done.stderr[-2000:]}", file=sys.stderr)
-                    return 1
-                old = rows[0] | {"rev": rev}
-                print(json.dumps(old), flush=True)
-                new = sweep([n])[0] | {"rev": "this checkout"}
-                pairs.append((old, new))
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=REPO,
-                           check=False)
+    from bench.against import cell, json_rows, short, worktree
+
+    rev = short(against)
+    pairs = []
+    with worktree(rev) as tree:
+        for n in counts:
+            old = json_rows(["-m", "bench.scale", "--sweep", str(n)], tree, tree)[0] | {"rev": rev}
+            print(json.dumps(old), flush=True)
+            new = sweep([n])[0] | {"rev": "this checkout"}
+            pairs.append((old, new))
     print(f"\nthis checkout against {rev}, same host, one after the other:")
     print("| nodes | result (old → new) | p99 round latency | server CPU | CPU per round | "
           "calls per round |")
     print("|---|---|---|---|---|---|")
     for old, new in pairs:
-        def cell(key: str, unit: str = "") -> str:
-            a, b = old.get(key), new.get(key)
-            if a is None or b is None:
-                return f"{a} → {b}"
-            return f"{a:g}{unit} → {b:g}{unit} ({b / a:.2f}×)" if a else f"{a} → {b}"
         ok = f"{'ok' if old['ok'] else 'failed'} → {'ok' if new['ok'] else 'failed'}"
         print(f"| {new['nodes']} | {ok} ({old['errors']} → {new['errors']} errors) | "
-              f"{cell('p99_ms', ' ms')} | {cell('server_cpu_pct', '%')} | "
-              f"{cell('server_cpu_s_per_round', ' s')} | {cell('calls_per_round')} |")
+              f"{cell(old['p99_ms'], new['p99_ms'], ' ms')} | "
+              f"{cell(old['server_cpu_pct'], new['server_cpu_pct'], '%')} | "
+              f"{cell(old['server_cpu_s_per_round'], new['server_cpu_s_per_round'], ' s')} | "
+              f"{cell(old['calls_per_round'], new['calls_per_round'])} |")
     return 0 if all(new["ok"] for _, new in pairs) else 1
 
 
