@@ -134,9 +134,10 @@ class FakeClient:
         return types.SimpleNamespace(session=node.session, epoch=self.epoch, counter=self.coord.done,
                                      round_id=node.last_round_seen, seed_center=False)
 
-    def acquire(self, *, consumed, late, released, want, last_round_seen, max_wait):
+    def acquire(self, *, consumed, late, released, want, last_round_seen, max_wait, used=0.0):
         g = self.coord.acquire(0, self.session, consumed=consumed, late=late, released=released,
-                               want=want, last_round_seen=last_round_seen, now=time.monotonic())
+                               want=want, last_round_seen=last_round_seen, now=time.monotonic(),
+                               used_ms=int(used * 1000) if consumed else 0)
         r = g.round
         return CreditAnswer(g.grant, r.id if r else 0, int(r.kind) if r else 0,
                             r.iteration if r else 0, self.coord.done)
