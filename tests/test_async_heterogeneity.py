@@ -1,13 +1,16 @@
 """Mixed machines (issue 12's reason for rules without a barrier): on 2 nodes whose workers step
-in 5 ms and 50 ms, an asynchronous rule lets the fast node train at its own pace, while a
-synchronous rule holds it to the slow node's.
+in 5 ms and 50 ms, an asynchronous rule lets the fast node train at its own pace; a synchronous
+rule still meets at every round, but since each node's share of a period follows its speed
+(issue 15, ``lsgd/global_server/shares.py``) it no longer holds the fast node to the slow one's
+pace (about a third of it before).
 
 One bounded run per rule through ``train.sh`` (1 worker per node, a 3 s budget; steps are
 sleeps, so the machine's load moves little), plus the fast node alone, measured in the same
 test: its steps per second are the baseline. A rate is counted over the window in which both
 nodes train (``bench.hetero.window_rate``): start-up and the final round count against nobody.
-The real gap is ~1.0x against ~0.35x (also with four busy loops on the 2 cores); 0.9x is the
-bar issue 12 sets.
+Asynchronous rules keep ~1.0x (also with four busy loops on the 2 cores; 0.9x is the bar issue
+12 sets); easgd kept ~0.35x with half shares, 0.68x with shares by speed in a 3 s run (whose
+first period, before any speed is known, is still shared by node count).
 ``python -m bench.hetero`` prints the same comparison for every rule (docs/benchmarks.md).
 """
 
@@ -25,7 +28,7 @@ FAST, SLOW = 0.005, 0.05  # seconds per step of node 0's and node 1's worker
 JOB = dict(ENTRY="toyjob:main", WORKERS=1, MINUTES=0.05, ITERATIONS="", SYNC_EVERY=0.05,
            G_COMM=16)  # short periods: a synchronous rule meets several times in the run
 ASYNC_KEEPS = 0.9  # an asynchronous rule: the fast node keeps at least this share (the issue)
-SYNC_HOLDS = 0.6  # a synchronous rule: the fast node is held below this share
+SYNC_KEEPS = 0.5  # a synchronous rule, shares by speed: at least this (~0.35 before them)
 
 
 def _run(cluster, tmp_path, name: str, nodes: int, **knobs) -> tuple[list[dict], dict]:
@@ -66,7 +69,7 @@ def _port(path, node0, timeout: float = 30.0) -> int:
 
 @pytest.mark.slow  # a timed comparison: bench/hetero.py is where the suite's speed claims live
 @pytest.mark.timeout(120)
-def test_a_fast_node_keeps_its_pace_without_a_barrier_and_waits_with_one(cluster, tmp_path):
+def test_a_fast_node_keeps_its_pace_without_a_barrier_and_most_of_it_with_one(cluster, tmp_path):
     (alone,), _ = _run(cluster, tmp_path, "alone", 1, ALGORITHM="easgd-async")
     base = window_rate([alone], alone)
     ratios = {}
@@ -82,5 +85,6 @@ def test_a_fast_node_keeps_its_pace_without_a_barrier_and_waits_with_one(cluster
           + ", ".join(f"{r} {x:.2f}x" for r, x in ratios.items()))
     for rule in ("easgd-async", "downpour", "gosgd"):
         assert ratios[rule] >= ASYNC_KEEPS, ratios
-    assert ratios["easgd"] < SYNC_HOLDS, ratios
-    assert min(ratios[r] for r in ("easgd-async", "downpour", "gosgd")) > 1.5 * ratios["easgd"]
+    assert ratios["easgd"] >= SYNC_KEEPS, ratios
+    assert min(ratios[r] for r in ("easgd-async", "downpour", "gosgd")) > ratios["easgd"], \
+        ratios  # a barrier still costs the fast node something
