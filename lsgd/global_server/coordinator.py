@@ -202,7 +202,9 @@ class Coordinator(Membership, JobStop):
         if free <= 0:
             return Grant(wait=True)
         period = min(self.target - self.period_start, self.schedule.global_period)
-        opening = node.granted_in < self.rounds_opened  # no credits yet since the newest round
+        # The node's first credits since the newest round; without rounds (an asynchronous
+        # rule) every grant, so that what each node holds is worth the same time.
+        opening = node.granted_in < self.rounds_opened or not self.schedule.rounds
         speed = shares.rate(*node.timed)
         share = shares.proportional(period, speed, self.rate_sum) if opening else 0
         grant = min(want, free, share or shares.half_fair(period, self.live_count))
@@ -222,7 +224,10 @@ class Coordinator(Membership, JobStop):
         scan = now >= self._scan_at or now < self._scan_at - DROP_SCAN
         if scan:
             self._scan_at = now + DROP_SCAN
-        for node in self.live_nodes if scan else ():
+        live = self.live_nodes if scan else []
+        if scan and not self.schedule.rounds:  # no rounds to take the speeds at: every scan
+            self._take_speeds(live)
+        for node in live:
             if now - node.last_seen > self.node_timeout:
                 node.alive, node.dropped_at = False, now
                 node.spare += node.outstanding  # forfeited, but it may still step on them
@@ -286,9 +291,7 @@ class Coordinator(Membership, JobStop):
         live = self.live_nodes
         self.round = RoundState(self.rounds_opened, self.target_kind, self.target, now,
                                 expected={n.index for n in live})
-        # Shares in proportion to speed only once every live node's speed is known.
-        speeds = [shares.rate(*n.timed) for n in live]
-        self.rate_sum = sum(speeds) if all(v > 0 for v in speeds) else 0.0
+        self._take_speeds(live)
         if self.target_kind == RoundKind.GLOBAL:
             self.round.evaluate, self.next_eval = _due(self.target, self.eval_every, self.next_eval)
             self.round.checkpoint, self.next_checkpoint = _due(self.target, self.checkpoint_every,
@@ -304,6 +307,12 @@ class Coordinator(Membership, JobStop):
         if self.round.kind == RoundKind.LOCAL:
             # Local rounds have no cross-node barrier: each node runs its own.
             self.round.closed = True
+
+    def _take_speeds(self, live: list[NodeState]) -> None:
+        """The live nodes' speeds, summed for shares of the next period: only once every live
+        node's speed is known (``shares.py``)."""
+        speeds = [shares.rate(*n.timed) for n in live]
+        self.rate_sum = sum(speeds) if speeds and all(v > 0 for v in speeds) else 0.0
 
     def _grant_last_steps(self) -> None:
         """The job ends: each worker may take one step past its last credit (the update its
