@@ -8,6 +8,9 @@
   once every live node's speed is known: each node then finishes its share at about the same
   time, and makes one credit call per local period, the one that reports its steps and waits
   for the next round (issue 15). Whatever the rounding leaves goes out in half fair shares.
+  An asynchronous rule has no rounds before the final one: every grant is sized by speed, so
+  that what each node holds is worth about the same time and the final round waits for no
+  large grant of a slow node.
 
 A node's speed is the ratio of two decaying sums: of the steps it reports, and of how long
 they took (``used_ms``), measured by the node from the moment it put its previous answer to
