@@ -100,10 +100,11 @@ def requests(sessions):
             nid, SMALL, st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
             st.text(max_size=300), st.booleans()),
         st.builds(lambda n: ("Heartbeat", pb.HeartbeatRequest(node=n)), nid),
-        st.builds(lambda n, c, l, r, w, s, q: ("AcquireCredits", pb.AcquireCreditsRequest(
+        st.builds(lambda n, c, l, r, w, s, q, u: ("AcquireCredits", pb.AcquireCreditsRequest(
             node=n, consumed=c, late_consumed=l, released=r, want=w, last_round_seen=s,
-            max_wait_ms=0, seq=q)), nid, st.one_of(SMALL, U64), st.one_of(SMALL, U64),
-            st.one_of(SMALL, U64), st.one_of(SMALL, U64), SMALL, st.one_of(SMALL, U64)),
+            max_wait_ms=0, seq=q, used_ms=u)), nid, st.one_of(SMALL, U64),
+            st.one_of(SMALL, U64), st.one_of(SMALL, U64), st.one_of(SMALL, U64), SMALL,
+            st.one_of(SMALL, U64), st.one_of(SMALL, st.integers(0, 2**32 - 1))),
         st.builds(lambda n, r, w, loss, has, p, wt: ("ReportRound", pb.ReportRoundRequest(
             node=n, round_id=r, best=pb.Candidate(worker_id=w, loss=loss), has_best=has,
             participants=p, weight=wt)), nid, SMALL, st.integers(0, 9), st.floats(allow_nan=True),

@@ -46,7 +46,9 @@ def test_a_new_rule_trains_digits_on_two_nodes(cluster, case):
     assert abs(g["rounds"] - knobs["ITERATIONS"] / period) <= 2, g["rounds"]
     for node in (n0, n1):
         assert set(node.summary()["worker_exit_codes"].values()) == {0}
-    assert ev["center"]["accuracy"] >= 0.95, ev  # the rule's product
+    # the rule's product; the same bar as test_e2e's (diloco measured 0.94-0.95 on the per-class
+    # split of lsgd.data, 0.95+ on scikit-learn's split before it)
+    assert ev["center"]["accuracy"] >= 0.93, ev
     assert "Traceback" not in n0.output + n1.output
     assert_clean_exit(cluster.run_dir, [n0, n1])
 
