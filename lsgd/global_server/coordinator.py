@@ -77,7 +77,7 @@ class Coordinator(Membership, JobStop):
         self.told: set[int] = set()  # nodes that have been answered with ``stopped``
         self.last_leader: RoundState | None = None  # newest closed global round with a leader
         self._scan_at = now  # when tick next looks for silent nodes
-        self.rate_sum = 0.0  # the live nodes' speeds at the newest round (0: not all known)
+        self.rate_sum = 0.0  # live nodes' speeds summed (_take_speeds; 0: not all known)
 
     # ------------------------------------------------------------------ helpers
     @property
