@@ -157,3 +157,50 @@ def test_an_asynchronous_rule_sizes_every_grant_by_speed_so_the_end_waits_little
     # worth the same time for both, so they run out together
     assert idle < 0.1 < 0.25 < idle_half
     assert per_node < 0.6 * per_node_half  # and the fast node asks far less often
+
+
+def async_coordinator(n, workers=4):
+    sched = Schedule.for_job(num_groups=n, workers=workers, l_comm=16, g_comm=16,
+                             local_rounds=False, max_iterations=None, rounds=False)
+    c = Coordinator(job_id="j", algorithm="easgd-async", num_groups=n, workers=workers,
+                    schedule=sched, max_seconds=600, node_timeout=1e9, round_timeout=1e9,
+                    join_timeout=1e9, now=0.0)
+    s = {i: c.join(job_id="j", index=i, workers=workers, algorithm="easgd-async",
+                   num_groups=n, now=0.0).session for i in range(n)}
+    return c, s
+
+
+def test_a_node_never_holds_more_than_a_period_so_it_can_always_reattach():
+    # without rounds free credits are unbounded; a node asks again while its workers still
+    # hold their shares: what it holds must stay within what a reattach may claim
+    c, s = async_coordinator(1)
+    t = 0.0
+    for k in range(50):
+        t += 0.1
+        c.acquire(0, s[0], consumed=8 if k else 0, late=0, released=0, want=1 << 30,
+                  last_round_seen=0, now=t, used_ms=10 if k else 0)
+        assert c.nodes[0].outstanding <= c.schedule.period
+    held = c.nodes[0].outstanding
+    assert held > 0
+    c.nodes[0].alive = False  # dropped (a partition), then back with what it holds
+    node = c.join(job_id="j", index=0, workers=4, algorithm="easgd-async", num_groups=1,
+                  now=t + 1, resume_session=s[0], held=held, unreported=0, seq=0)
+    assert node.alive and node.outstanding == held
+
+
+def test_a_node_claiming_a_huge_speed_cannot_starve_the_others():
+    c, s = async_coordinator(2)
+    period = c.schedule.period
+    t = 0.0
+    for k in range(20):  # both measured; node 1 says it took 1 ms for its steps
+        t += 0.2
+        for i in (0, 1):
+            held = c.nodes[i].outstanding
+            c.acquire(i, s[i], consumed=held, late=0, released=0, want=1 << 30,
+                      last_round_seen=0, now=t, used_ms=(200 if i == 0 else 1) if held else 0)
+        c.tick(t)
+    honest = c.nodes[0]
+    t += 0.2
+    g = c.acquire(0, s[0], consumed=honest.outstanding, late=0, released=0, want=1 << 30,
+                  last_round_seen=0, now=t, used_ms=200)
+    assert g.grant >= shares.half_fair(period, 2) // 4 > 1

@@ -202,12 +202,20 @@ class Coordinator(Membership, JobStop):
         if free <= 0:
             return Grant(wait=True)
         period = min(self.target - self.period_start, self.schedule.global_period)
+        # A node never holds more than a period (what a reattaching node may claim, claims.py);
+        # without rounds nothing else bounds it.
+        room = period - node.outstanding
+        if room <= 0:
+            return Grant(wait=True)
         # The node's first credits since the newest round; without rounds (an asynchronous
         # rule) every grant, so that what each node holds is worth the same time.
         opening = node.granted_in < self.rounds_opened or not self.schedule.rounds
+        half = shares.half_fair(period, self.live_count)
         speed = shares.rate(*node.timed)
         share = shares.proportional(period, speed, self.rate_sum) if opening else 0
-        grant = min(want, free, share or shares.half_fair(period, self.live_count))
+        if share:  # at least an eighth of a fair share, whatever another node's speed claims
+            share = max(share, half // 4)
+        grant = min(want, free, room, share or half)
         node.outstanding += grant
         node.granted_in = self.rounds_opened
         return Grant(grant=grant)

@@ -12,6 +12,10 @@
   that what each node holds is worth about the same time and the final round waits for no
   large grant of a slow node.
 
+Two bounds hold whatever the speeds say: a node never holds more than a period (what a
+reattaching node may claim), and a share sized by speed is at least an eighth of a fair share,
+so that a node claiming a huge speed cannot shrink the others' grants to a credit each.
+
 A node's speed is the ratio of two decaying sums: of the steps it reports, and of how long
 they took (``used_ms``), measured by the node from the moment it put its previous answer to
 use (after that answer's round, if it named one). A ratio of sums, not an average of ratios:

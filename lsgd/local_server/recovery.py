@@ -165,6 +165,7 @@ class RecoveryMixin:
         if resp.session != old_session:  # the server refuses unknown sessions; never expected
             raise NodeError("the global server gave this node a new session on reattaching")
         self.report = Report()  # the server counted them and took over the held credits
+        self.used_since = time.monotonic()  # steps detached were counted apart: not timed
         self.unanswered = (0, 0)
         self.last_round_seen = resp.round_id
         self.round_due = None

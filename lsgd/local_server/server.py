@@ -585,8 +585,10 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
 
     def _take(self, grant: int) -> None:
         """Add granted credits to the pool. Each worker takes an equal share of the grant; a
-        faster one comes back for more. The steps reported next are timed from here."""
-        self.used_since = time.monotonic()
+        faster one comes back for more. The steps reported next are timed from here, unless
+        workers still step on earlier credits (their time already runs)."""
+        if not any(w.outstanding for w in self._live()):
+            self.used_since = time.monotonic()
         if grant:
             self.pool += grant
             self.share = math.ceil(self.pool / max(1, len(self._live())))
