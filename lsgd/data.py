@@ -71,16 +71,21 @@ def stratified_test_indices(y: np.ndarray, test_fraction: float, seed: int) -> n
     return np.sort(np.concatenate(picks))
 
 
-def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
-    """scikit-learn's digits, split per class: inputs (n, 64) float32 in [0, 1], labels int64."""
+def digits_split(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """scikit-learn's digits as ``digits_arrays`` gives them (pixels 0..16), split per class."""
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
     x, y = digits_arrays()
     test = stratified_test_indices(y, test_fraction, seed)
     train = np.setdiff1d(np.arange(len(y)), test)
-    x = (x / 16.0).astype(np.float32)
-    y = y.astype(np.int64)
     return Dataset(x[train], y[train], x[test], y[test])
+
+
+def load_digits(test_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """scikit-learn's digits, split per class: inputs (n, 64) float32 in [0, 1], labels int64."""
+    d = digits_split(test_fraction, seed)
+    return Dataset((d.x_train / 16.0).astype(np.float32), d.y_train.astype(np.int64),
+                   (d.x_test / 16.0).astype(np.float32), d.y_test.astype(np.int64))
 
 
 # ------------------------------------------------------------------------------ MNIST (IDX)

@@ -52,7 +52,7 @@ import pytensor
 import pytensor.tensor as pt
 from pytensor.compile.mode import Mode
 
-from ..data import digits_arrays, stratified_test_indices
+from ..data import digits_split
 
 __all__ = [
     "N_CLASSES",
@@ -125,12 +125,8 @@ def load_digits_split(test_fraction: float = 0.2, split_seed: int = 0) -> Digits
     Raises:
         ValueError: If ``test_fraction`` is not strictly between 0 and 1.
     """
-    if not 0.0 < test_fraction < 1.0:
-        raise ValueError(f"test_fraction must be in (0, 1), got {test_fraction}")
-    x, y = digits_arrays()
-    test = stratified_test_indices(y, test_fraction, split_seed)
-    train = np.setdiff1d(np.arange(len(y)), test)
-    x_train, x_test, y_train, y_test = x[train], x[test], y[train], y[test]
+    d = digits_split(test_fraction, split_seed)
+    x_train, x_test, y_train, y_test = d.x_train, d.x_test, d.y_train, d.y_test
     mean = x_train.mean(axis=0)
     std = np.maximum(x_train.std(axis=0), _STD_FLOOR)
     return DigitsData(
