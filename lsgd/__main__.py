@@ -2,6 +2,12 @@
 
 import sys
 
-from .cli import main
+try:
+    from .cli import main
+except ModuleNotFoundError as exc:  # run by a Python without lsgd's dependencies
+    print(f"lsgd: error: {sys.executable} cannot import '{exc.name}', which lsgd needs; run "
+          "it with the Python lsgd was installed into (activate its virtualenv, or set "
+          "PYTHON for train.sh), or install lsgd there: pip install -e .", file=sys.stderr)
+    sys.exit(2)
 
 sys.exit(main())

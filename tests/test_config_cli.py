@@ -131,3 +131,14 @@ def test_a_data_port_that_cannot_be_bound_is_one_line_before_anything_starts(tmp
     assert res.returncode == 2 and "192.0.2.77:0 is not an address of this machine" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run" / "global").exists()  # nothing was started
+
+
+def test_a_python_without_lsgds_dependencies_gets_one_line_not_a_traceback():
+    # e.g. train.sh run outside the virtualenv lsgd was installed into
+    code = ("import sys, runpy; sys.modules['grpc'] = None; "
+            "runpy.run_module('lsgd', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", code, "train"], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr
+    assert "cannot import 'grpc'" in out.stderr and "virtualenv" in out.stderr
