@@ -30,7 +30,7 @@ from typing import Callable, Iterator, Mapping, Sequence
 
 import grpc
 
-from .signing import SIGNATURE_KEY, Signer, Verifier
+from .signing import SESSION_METHOD, SIGNATURE_KEY, Signer, Verifier
 
 NODE_URI = "lsgd://node/{}"  # SAN URI naming a node's index in its certificate
 _NODE_URI = re.compile(r"lsgd://node/(\d{1,9})")
@@ -205,9 +205,17 @@ class CallCheck(grpc.ServerInterceptor):
             def checked() -> Iterator[object]:  # checked when the handler reads the header
                 first = next(requests, None)
                 check(first, context)
-                if first is not None:
-                    yield first
+                if first is None:
+                    return
+                yield first
+                if self.verifier is None or not method.endswith(SESSION_METHOD):
                     yield from requests
+                    return
+                for request in requests:  # a Session stream: every later message has its MAC
+                    why = self.verifier.check_message(first.nonce, request)
+                    if why:
+                        context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+                    yield request
 
             return inner(checked(), context)
 

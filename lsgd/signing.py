@@ -20,6 +20,12 @@ They live in the server process: a restarted global server does not know those o
 ``MAX_SKEW`` seconds (a call captured then meets only the coordinator's session and request
 number checks).
 
+A ``Session`` stream (one per node session: the node loop's credit and round calls) is signed
+like any call over its first message, which carries a random stream nonce; every later message
+carries ``session_mac`` over that nonce, its number and its call, and the server checks both
+the MAC and that the numbers run 1, 2, 3, ... So a message can be neither altered, replayed,
+reordered nor moved to another stream.
+
 Not covered without TLS: the chunks after an upload's header (their integrity rests on TCP,
 i.e. on nobody altering the stream in flight; the server still refuses non-finite values),
 the server's answers, and confidentiality of the parameters. TLS covers all three.
@@ -44,6 +50,9 @@ MAX_SKEW = 30.0  # seconds a call's timestamp may differ from the server's clock
 MAX_NONCES = 1 << 16  # nonces remembered (about 13 MB at most)
 _KEY_LABEL = b"lsgd call signing key v1"
 _MAC_LABEL = b"lsgd-call-v1"
+_SESSION_LABEL = b"lsgd-session-v1"
+SESSION_METHOD = "/lsgd.v1.GlobalServer/Session"
+ACQUIRE_FIELD, REPORT_FIELD = 4, 5  # SessionRequest's call fields
 
 
 def derive_key(secret: str) -> bytes:
@@ -64,6 +73,14 @@ def _mac(key: bytes, method: str, ms: int, nonce: str, body: bytes) -> str:
     text = b"\n".join((_MAC_LABEL, method.encode(), str(ms).encode(), nonce.encode(),
                        digest.encode()))
     return hmac.new(key, text, hashlib.sha256).hexdigest()
+
+
+def session_mac(key: bytes, nonce: bytes, n: int, field: int, body: bytes) -> bytes:
+    """The MAC of message ``n`` of a ``Session`` stream opened with ``nonce``, carrying ``body``
+    (a serialized call) in field number ``field`` (``protos/lsgd.proto``, ``SessionRequest``)."""
+    text = b"\n".join((_SESSION_LABEL, nonce.hex().encode(), str(n).encode(), str(field).encode(),
+                       hashlib.sha256(body).hexdigest().encode()))
+    return hmac.new(key, text, hashlib.sha256).digest()
 
 
 def sign(key: bytes, method: str, body: bytes, now: float | None = None,
@@ -145,6 +162,17 @@ class Verifier:
                     f"global server's clock (more than {self.max_skew:g} s): a replay, or a node "
                     "whose clock is off; keep the nodes' clocks synchronized (NTP)")
         return self.nonces.add(nonce, ms / 1000, oldest=now - self.max_skew)
+
+    def check_message(self, nonce: bytes, request: object) -> str | None:
+        """None if ``request``, a later message of the ``Session`` stream opened with ``nonce``,
+        carries the MAC of its number and call; else why the stream is refused."""
+        field, body = ((ACQUIRE_FIELD, request.acquire) if request.acquire  # type: ignore[attr-defined]
+                       else (REPORT_FIELD, request.report))  # type: ignore[attr-defined]
+        mac = session_mac(self._key, nonce, request.n, field, body)  # type: ignore[attr-defined]
+        if not hmac.compare_digest(mac, request.mac):  # type: ignore[attr-defined]
+            return (f"session message {request.n} has no valid MAC: wrong job secret, or the "  # type: ignore[attr-defined]
+                    "message was altered on the way")
+        return None
 
 
 # ------------------------------------------------------------------ client side

@@ -14,6 +14,10 @@ held all the threads, heartbeats timed out and every node was dropped (issue 9, 
 - streams whose header has not named a node session yet are capped per peer host, streams of one
   session per session, and the long-polls (AcquireCredits, ReportRound) per session: a node makes
   one call at a time, so its legitimate use is far below the caps;
+- ``Session`` streams (one per node session: the node loop's credit and round calls) hold a
+  thread each for as long as the node is there, from ``sessions`` threads of their own: at
+  most ``sessions`` are open, and a second stream of one node session replaces the first (the
+  first is cancelled);
 - a watchdog cancels a stream that waits on its peer too long (no upload header within
   ``header_wait``, no next chunk sent or taken within ``idle``) or lives longer than
   ``lifetime`` (a node's own deadline for a transfer is shorter); the handler's own bounded waits
@@ -46,6 +50,7 @@ class Limits:
     pending_per_host: int  # streams from one host that have not named a session yet
     streams_per_session: int  # parameter streams of one node session
     polls_per_session: int  # AcquireCredits / ReportRound calls in progress of one node session
+    sessions: int = 64  # Session streams open, all nodes together (a thread each)
     header_wait: float = 5.0  # seconds an upload may take to send its header
     idle: float = 10.0  # seconds a stream may wait on its peer for the next chunk (either way)
     lifetime: float = 45.0  # seconds any parameter stream may last
@@ -53,7 +58,7 @@ class Limits:
     @property
     def threads(self) -> int:
         """The size of the server's thread pool."""
-        return self.streams + self.control
+        return self.streams + self.control + self.sessions
 
     @classmethod
     def for_job(cls, num_groups: int, round_timeout: float, **overrides: float) -> "Limits":
@@ -67,7 +72,8 @@ class Limits:
         """
         values: dict = dict(streams=2 * num_groups + 4, control=3 * num_groups + 16,
                             pending_per_host=num_groups + 2, streams_per_session=2,
-                            polls_per_session=2, lifetime=round_timeout + 15.0)
+                            polls_per_session=2, sessions=2 * num_groups + 8,
+                            lifetime=round_timeout + 15.0)
         return cls(**(values | overrides))
 
 
@@ -79,7 +85,7 @@ class _Stream:
     started: float
     session: tuple[int, int] | None = None  # (node index, session) once its header named one
     waiting_since: float | None = None  # waiting on the peer since (None: not now)
-    cancelled: str = ""  # why the watchdog cancelled it
+    cancelled: str = ""  # why the watchdog cancelled it (or a newer stream replaced it)
     closed: bool = False
 
 
@@ -107,13 +113,21 @@ class Admission(grpc.ServerInterceptor):
         self._pending: Counter[str] = Counter()  # host -> streams without a session yet
         self._sessions: Counter[tuple[int, int]] = Counter()
         self._polls: Counter[tuple[int, int]] = Counter()
+        self._by_session: dict[tuple[int, int], _Stream] = {}  # the open Session stream of each
+        self._open_sessions = 0
         self._watchdog: threading.Thread | None = None
         self._logged: dict[str, float] = {}  # reason -> last time logged (rate limit)
 
     @property
     def open_streams(self) -> int:
+        """Parameter streams in progress (``Session`` streams are ``open_sessions``)."""
         with self._lock:
-            return len(self._streams)
+            return len(self._streams) - self._open_sessions
+
+    @property
+    def open_sessions(self) -> int:
+        with self._lock:
+            return self._open_sessions
 
     # ------------------------------------------------------------------ interceptor
     def intercept_service(self, continuation, details):  # noqa: ANN001 - grpc API
@@ -127,6 +141,8 @@ class Admission(grpc.ServerInterceptor):
             return grpc.stream_unary_rpc_method_handler(self._upload(handler.stream_unary), **kw)
         if method == "PullParams" and handler.response_streaming and not handler.request_streaming:
             return grpc.unary_stream_rpc_method_handler(self._download(handler.unary_stream), **kw)
+        if method == "Session" and handler.request_streaming and handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(self._session(handler.stream_stream), **kw)
         if method in POLLS and not handler.request_streaming and not handler.response_streaming:
             return grpc.unary_unary_rpc_method_handler(self._poll(handler.unary_unary), **kw)
         return handler
@@ -160,6 +176,35 @@ class Admission(grpc.ServerInterceptor):
 
         return download
 
+    def _session(self, behavior: Callable) -> Callable:
+        def session(request_iterator, context):  # noqa: ANN001 - grpc API
+            stream = self._open(context, "Session")
+            try:
+                requests = iter(request_iterator)
+                stream.waiting_since = self.clock()  # for its opening message (header_wait)
+                first = next(requests, None)
+                stream.waiting_since = None
+                if first is not None and first.HasField("node"):
+                    self._bind_session(stream, first.node)
+                yield from behavior(_chain([] if first is None else [first], requests), context)
+            finally:
+                self._close(stream)
+
+        return session
+
+    def _bind_session(self, stream: _Stream, node) -> None:  # noqa: ANN001 - pb.NodeId
+        """``stream`` is now node session ``node``'s; an older one of that session is cancelled."""
+        key = (node.node_index, node.session)
+        with self._lock:
+            old = self._by_session.get(key)
+            self._by_session[key] = stream
+            stream.session = key
+            if old is not None:
+                old.cancelled = "replaced by a newer stream of its node session"
+                self.cancelled["replaced"] += 1
+        if old is not None:
+            old.context.cancel()
+
     def _poll(self, behavior: Callable) -> Callable:
         def poll(request, context):  # noqa: ANN001 - grpc API
             key = (request.node.node_index, request.node.session)
@@ -186,16 +231,22 @@ class Admission(grpc.ServerInterceptor):
         host = _host(context.peer() or "")
         lim = self.limits
         with self._lock:
-            if len(self._streams) >= lim.streams:
+            if method == "Session" and self._open_sessions >= lim.sessions:
+                reason = ("sessions", f"the global server already has {lim.sessions} session "
+                          "streams open (one per node); try again later")
+            elif method != "Session" and len(self._streams) - self._open_sessions >= lim.streams:
                 reason = ("streams", f"the global server already has {lim.streams} parameter "
                           "streams open; try again later")
-            elif self._pending[host] >= lim.pending_per_host:
+            elif method != "Session" and self._pending[host] >= lim.pending_per_host:
                 reason = ("host", f"{host} already has {lim.pending_per_host} parameter streams "
                           "open that have not named a node session")
             else:
                 stream = _Stream(context, method, host, self.clock())
                 self._streams.add(stream)
-                self._pending[host] += 1
+                if method == "Session":
+                    self._open_sessions += 1
+                else:
+                    self._pending[host] += 1
                 if self._watchdog is None:
                     self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                                       name="lsgd-stream-watchdog")
@@ -218,6 +269,8 @@ class Admission(grpc.ServerInterceptor):
 
     def _unbind(self, stream: _Stream) -> None:
         """Take ``stream`` off its host's or its session's count (lock held)."""
+        if stream.method == "Session":
+            return
         counts, key = ((self._pending, stream.host) if stream.session is None
                        else (self._sessions, stream.session))
         counts[key] -= 1
@@ -231,6 +284,10 @@ class Admission(grpc.ServerInterceptor):
             stream.closed = True
             self._streams.discard(stream)
             self._unbind(stream)
+            if stream.method == "Session":
+                self._open_sessions -= 1
+                if stream.session is not None and self._by_session.get(stream.session) is stream:
+                    del self._by_session[stream.session]
 
     def _refuse(self, context: grpc.ServicerContext, kind: str, message: str) -> None:
         with self._lock:
@@ -276,10 +333,12 @@ class Admission(grpc.ServerInterceptor):
                         continue
                     since = s.waiting_since
                     waited = 0.0 if since is None else now - since
-                    if now - s.started > lim.lifetime:
+                    if s.session is None and s.method != "PullParams" and waited > lim.header_wait:
+                        kind, s.cancelled = "header", f"no opening message within {lim.header_wait:g} s"
+                    elif s.method == "Session":  # open for the node's whole run, idle between calls
+                        continue
+                    elif now - s.started > lim.lifetime:
                         kind, s.cancelled = "lifetime", f"open for more than {lim.lifetime:g} s"
-                    elif s.session is None and s.method == "PushParams" and waited > lim.header_wait:
-                        kind, s.cancelled = "header", f"no upload header within {lim.header_wait:g} s"
                     elif waited > lim.idle:
                         kind, s.cancelled = "idle", f"waited more than {lim.idle:g} s for its peer"
                     else:

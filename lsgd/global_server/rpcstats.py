@@ -37,9 +37,12 @@ class RpcStats:
 
     def failed(self, method: str, context: grpc.ServicerContext) -> None:
         code = context.code() if hasattr(context, "code") else None
-        name = code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN"
+        self.count(method, code.name if isinstance(code, grpc.StatusCode) else "UNKNOWN")
+
+    def count(self, method: str, code: str) -> None:
+        """Count a failed call (a call refused on a ``Session`` stream, which goes on)."""
         with self._lock:
-            self.errors[(method, name)] += 1
+            self.errors[(method, code)] += 1
 
     def copy(self) -> tuple[dict[tuple[str, str], int], int, int]:
         with self._lock:

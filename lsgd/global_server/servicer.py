@@ -21,6 +21,7 @@ from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..rules.base import Exchange as ExchangeKind, RoundKind
+from . import session
 from .coordinator import Coordinator, CoordinatorError
 from .buffers import DELTA, MAIL
 from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, ParamStore, _wire_dtype
@@ -48,9 +49,13 @@ class CallCounter(grpc.ServerInterceptor):
         self._lock = threading.Lock()
 
     def intercept_service(self, continuation, handler_call_details):  # noqa: ANN001 - grpc API
-        with self._lock:
-            self.counts[handler_call_details.method.rsplit("/", 1)[-1]] += 1
+        self.add(handler_call_details.method.rsplit("/", 1)[-1])
         return continuation(handler_call_details)
+
+    def add(self, method: str) -> None:
+        """Count one call (a call on a ``Session`` stream counts under its own method)."""
+        with self._lock:
+            self.counts[method] += 1
 
 
 def _abort(context: grpc.ServicerContext, exc: CoordinatorError | ParamError) -> None:
@@ -383,6 +388,10 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             return self.routes.message(info)
 
         return self._call(context, bypass)
+
+    def Session(self, request_iterator: Iterator[pb.SessionRequest],
+                context: grpc.ServicerContext) -> Iterator[pb.SessionReply]:
+        yield from session.serve(self, request_iterator, context)
 
     def PushParams(self, request_iterator: Iterator[pb.PushParamsRequest],
                    context: grpc.ServicerContext) -> pb.PushParamsResponse:

@@ -21,7 +21,9 @@ from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import Security
+from ..signing import derive_key
 from ..wire import GRPC_OPTIONS, aligned_empty, steady_heap, wire_dtype
+from .session_stream import SessionStream
 from .view import Evaluation, NodeView, Snapshot
 
 log = logging.getLogger(__name__)
@@ -99,9 +101,33 @@ class GlobalClient:
         self._md = security.metadata  # none: the channel signs every call with the job secret
         self._channel = security.channel(address, CHANNEL_OPTIONS)
         self._stub = pb_grpc.GlobalServerStub(self._channel)
+        # The loop's credit and round calls go on one Session stream per node session, each
+        # message with a MAC under the job secret (session_stream.py).
+        self._key = derive_key(security.secret) if security.secret else None
+        self._stream: SessionStream | None = None
+        self._stream_lock = threading.Lock()
 
     def close(self) -> None:
+        self._end_stream()
         self._channel.close()
+
+    def _end_stream(self) -> None:
+        with self._stream_lock:
+            if self._stream is not None:
+                self._stream.close()
+                self._stream = None
+
+    def _on_stream(self, field: str, request, timeout: float):  # noqa: ANN001, ANN201
+        """Make a credit ("acquire") or round ("report") call on this session's stream,
+        opening one first if there is none (or it broke, or the session changed). One call at
+        a time (the node loop's); ``close`` from another thread ends a call in progress."""
+        with self._stream_lock:
+            s = self._stream
+            if s is None or s.ended or s.node.session != self.session:
+                if s is not None:
+                    s.close()
+                s = self._stream = SessionStream(self._stub, self._md, self._key, self._node())
+        return s.call(field, request.SerializeToString(), timeout)
 
     def _node(self) -> pb.NodeId:
         return pb.NodeId(job_id=self.job_id, node_index=self.node_index, session=self.session)
@@ -137,6 +163,7 @@ class GlobalClient:
                 if resp.session != self.session:
                     self._seq = 0  # numbering starts again with a new session
                 self.session, self.epoch, self._join_seq = resp.session, resp.epoch, 0
+                self._end_stream()  # the next call opens a stream on this attachment
                 return resp
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -179,12 +206,13 @@ class GlobalClient:
         (0: not measured), which sizes this node's share of the next period."""
         self._seq += 1
         used_ms = min(int(used * 1000), (1 << 32) - 1) if consumed and used > 0 else 0
-        resp = self._stub.AcquireCredits(
+        resp = self._on_stream(
+            "acquire",
             pb.AcquireCreditsRequest(node=self._node(), consumed=consumed, late_consumed=late,
                                      released=released, want=want, last_round_seen=last_round_seen,
                                      max_wait_ms=int(max_wait * 1000), seq=self._seq,
                                      used_ms=used_ms),
-            timeout=RPC_TIMEOUT, metadata=self._md)
+            RPC_TIMEOUT)
         self.answered_at = time.monotonic()
         self.stopped = self.stopped or resp.stopped
         return CreditAnswer(resp.grant, resp.round.id, resp.round.kind, resp.round.iteration,
@@ -198,7 +226,7 @@ class GlobalClient:
             req.has_best = True
             req.best.worker_id = best.worker_id
             req.best.loss = best.loss
-        resp = self._stub.ReportRound(req, timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
+        resp = self._on_stream("report", req, self.round_timeout + RPC_TIMEOUT)
         self.answered_at = time.monotonic()
         self.stopped = self.stopped or resp.stopped
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None

@@ -74,6 +74,11 @@ class GlobalServerStub:
                 request_serializer=lsgd__pb2.BypassRequest.SerializeToString,
                 response_deserializer=lsgd__pb2.DataRoute.FromString,
                 _registered_method=True)
+        self.Session = channel.stream_stream(
+                '/lsgd.v1.GlobalServer/Session',
+                request_serializer=lsgd__pb2.SessionRequest.SerializeToString,
+                response_deserializer=lsgd__pb2.SessionReply.FromString,
+                _registered_method=True)
 
 
 class GlobalServerServicer:
@@ -138,6 +143,16 @@ class GlobalServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Session(self, request_iterator, context):
+        """The node loop's AcquireCredits and ReportRound calls, one at a time, on one stream per node
+        session (a message costs the server less than a unary call). The first request opens it;
+        each later one carries one call and gets one reply: its answer, or the status that refused
+        it (a refused call refuses that call, not the stream).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GlobalServerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +195,11 @@ def add_GlobalServerServicer_to_server(servicer, server):
                     servicer.Bypass,
                     request_deserializer=lsgd__pb2.BypassRequest.FromString,
                     response_serializer=lsgd__pb2.DataRoute.SerializeToString,
+            ),
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=lsgd__pb2.SessionRequest.FromString,
+                    response_serializer=lsgd__pb2.SessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +418,33 @@ class GlobalServer:
             '/lsgd.v1.GlobalServer/Bypass',
             lsgd__pb2.BypassRequest.SerializeToString,
             lsgd__pb2.DataRoute.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Session(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/lsgd.v1.GlobalServer/Session',
+            lsgd__pb2.SessionRequest.SerializeToString,
+            lsgd__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,122 @@
+"""The ``Session`` stream: a node loop's credit and round calls, one stream per node session.
+
+A unary call costs the server far more than a message on an open stream (HTTP/2 stream set-up,
+metadata, the interceptors, a thread hand-off: ``../shared/reference/limits.md``), and the node
+loop makes its calls one at a time anyway. So a node opens one stream and sends each
+``AcquireCredits`` / ``ReportRound`` on it; the server answers each with one reply.
+
+- Message 0 opens the stream: the node and a 16-byte nonce. The stream's signature covers it;
+  ``lsgd.security.CallCheck`` checks every later message's MAC (``lsgd.signing``).
+- Messages 1, 2, 3, ... each carry exactly one serialized call, for the opening's node. A number
+  out of order ends the stream (INVALID_ARGUMENT): that is a replay or a broken client.
+- A call runs through the same servicer method as its unary form, with a context whose
+  ``abort`` refuses that call only: the reply carries the status code and details, and the
+  node sees them as the call's ``grpc.RpcError``. The stream goes on.
+- A long-poll or a round barrier blocks only its own stream, as it blocked its call.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from ..proto import lsgd_pb2 as pb
+from .coordinator import CoordinatorError
+
+if TYPE_CHECKING:
+    from .servicer import GlobalServicer
+
+NONCE_BYTES = 16
+
+
+class Refused(Exception):
+    """One call on a stream was refused with ``code`` (the stream goes on)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class CallContext:
+    """The ``ServicerContext`` a call on a stream sees: ``abort`` refuses this call, not the
+    stream; liveness and the peer are the stream's."""
+
+    def __init__(self, context: grpc.ServicerContext) -> None:
+        self._context = context
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Refused(code, details)
+
+    def is_active(self) -> bool:
+        return self._context.is_active()
+
+    def peer(self) -> str:
+        return self._context.peer()
+
+
+def opening_error(first: pb.SessionRequest | None) -> str | None:
+    """Why ``first`` cannot open a session stream (None: it can)."""
+    if first is None:
+        return "a session stream opens with message 0"
+    if (first.n != 0 or not first.HasField("node") or len(first.nonce) != NONCE_BYTES
+            or first.acquire or first.report):
+        return (f"a session stream opens with message 0: the node and a {NONCE_BYTES}-byte "
+                "nonce, and no call")
+    return None
+
+
+def serve(servicer: "GlobalServicer", requests: Iterator[pb.SessionRequest],
+          context: grpc.ServicerContext) -> Iterator[pb.SessionReply]:
+    """Answer one node's session stream until the node closes it."""
+    first = next(requests, None)
+    why = opening_error(first)
+    if why:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+    node = first.node
+    try:
+        with servicer.cond:
+            servicer._check(node)
+            servicer.coord._node(node.node_index, node.session, servicer.clock())
+    except CoordinatorError as exc:
+        context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+    expected = 1
+    for req in requests:
+        if req.n != expected:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"session message {req.n} out of order (expected {expected})")
+        expected += 1
+        try:
+            field, answer = _answer(servicer, node, req, CallContext(context))
+            servicer.calls.add(_method(req))
+            yield pb.SessionReply(n=req.n, **{field: answer})
+        except Refused as r:
+            servicer.stats.count(_method(req), r.code.name)
+            yield pb.SessionReply(n=req.n, code=r.code.value[0], details=r.details)
+
+
+def _method(req: pb.SessionRequest) -> str:
+    return "AcquireCredits" if req.acquire else "ReportRound"
+
+
+def _answer(servicer: "GlobalServicer", node: pb.NodeId, req: pb.SessionRequest,
+            ctx: CallContext) -> tuple[str, object]:
+    """The reply's field and the call's answer; ``Refused`` when it is refused."""
+    if bool(req.acquire) == bool(req.report):
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"session message {req.n} must carry exactly one call")
+    kind = pb.AcquireCreditsRequest if req.acquire else pb.ReportRoundRequest
+    try:
+        call = kind.FromString(req.acquire or req.report)
+    except DecodeError:
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                      f"session message {req.n}: its call does not parse") from None
+    if call.node != node:
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED,
+                      f"session message {req.n} is for node {call.node.node_index} session "
+                      f"{call.node.session}; this stream is node {node.node_index} session "
+                      f"{node.session}'s (open a stream per session)")
+    if req.acquire:
+        return "acquire", servicer.AcquireCredits(call, ctx)
+    return "report", servicer.ReportRound(call, ctx)
