@@ -507,9 +507,14 @@ def _measure(sc: Scenario, nodes: list[dict[str, Any]], summary: dict[str, Any],
     by_kind = {}
     for kind in ("local", "global", "final"):
         xs = [r["latency_s"] * 1000 for r in records if r["kind"] == kind]
+        # the control plane's part: until the round's answer (a global round's barrier), before
+        # the parameter exchange (on the star: the leader's downloads from the server)
+        rs = [r["report_s"] * 1000 for r in records if r["kind"] == kind]
         if xs:
             by_kind[kind] = {"n": len(xs), "p50_ms": round(_pct(xs, 50), 2),
-                             "p99_ms": round(_pct(xs, 99), 2), "max_ms": round(max(xs), 2)}
+                             "p99_ms": round(_pct(xs, 99), 2), "max_ms": round(max(xs), 2),
+                             "answer_p50_ms": round(_pct(rs, 50), 2),
+                             "answer_p99_ms": round(_pct(rs, 99), 2)}
     firsts = [n["first_grant"] for n in nodes if n.get("first_grant")]
     finals = [n["rounds"][-1]["learn"] + n["rounds"][-1]["latency_s"] for n in nodes
               if n.get("rounds") and n["rounds"][-1]["kind"] == "final"]
@@ -641,6 +646,7 @@ def sweep(counts: list[int], rounds: int = 16) -> list[dict[str, Any]]:
             row = {"nodes": n, "ok": m["ok"], "errors": m["error_count"],
                    "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
                    "global_p50_ms": g.get("p50_ms"), "global_p99_ms": g.get("p99_ms"),
+                   "global_answer_p99_ms": g.get("answer_p99_ms"),
                    "rounds_per_s": m["rounds_per_s"], "server_cpu_pct": m["server_cpu_pct"],
                    "server_cpu_s_per_round": (round(m["server_cpu_pct"] / 100 / m["rounds_per_s"], 3)
                                               if m["server_cpu_pct"] and m["rounds_per_s"] else None),
@@ -667,13 +673,14 @@ def compare(counts: list[int], against: str) -> int:
             new = sweep([n])[0] | {"rev": "this checkout"}
             pairs.append((old, new))
     print(f"\nthis checkout against {rev}, same host, one after the other:")
-    print("| nodes | result (old → new) | p99 round latency | server CPU | CPU per round | "
-          "calls per round |")
-    print("|---|---|---|---|---|---|")
+    print("| nodes | result (old → new) | p99 round latency | global rounds: p99 of the answer "
+          "| server CPU | CPU per round | calls per round |")
+    print("|---|---|---|---|---|---|---|")
     for old, new in pairs:
         ok = f"{'ok' if old['ok'] else 'failed'} → {'ok' if new['ok'] else 'failed'}"
         print(f"| {new['nodes']} | {ok} ({old['errors']} → {new['errors']} errors) | "
               f"{cell(old['p99_ms'], new['p99_ms'], ' ms')} | "
+              f"{cell(old.get('global_answer_p99_ms'), new.get('global_answer_p99_ms'), ' ms')} | "
               f"{cell(old['server_cpu_pct'], new['server_cpu_pct'], '%')} | "
               f"{cell(old['server_cpu_s_per_round'], new['server_cpu_s_per_round'], ' s')} | "
               f"{cell(old['calls_per_round'], new['calls_per_round'])} |")
