@@ -204,3 +204,30 @@ def test_a_node_claiming_a_huge_speed_cannot_starve_the_others():
     g = c.acquire(0, s[0], consumed=honest.outstanding, late=0, released=0, want=1 << 30,
                   last_round_seen=0, now=t, used_ms=200)
     assert g.grant >= shares.half_fair(period, 2) // 4 > 1
+
+
+def test_speeds_taken_before_a_node_left_no_longer_size_the_shares():
+    # 3 nodes of one speed, measured; node 2 leaves between two scans: its speed is still in
+    # the sum, which would make node 0's share a third of a period (and, had a node joined
+    # instead, leave the newcomer nothing). Until the next scan takes the speeds of the nodes
+    # that are there, shares are half a fair share.
+    c, s = async_coordinator(3)
+    period = c.schedule.period
+    t = 0.0
+    for _ in range(10):
+        t += 0.2
+        for i in range(3):
+            held = c.nodes[i].outstanding
+            c.acquire(i, s[i], consumed=held, late=0, released=0, want=1 << 30,
+                      last_round_seen=0, now=t, used_ms=200 if held else 0)
+        c.tick(t)
+    assert c.rate_sum > 0
+    c.leave(2, s[2], consumed=c.nodes[2].outstanding, late=0, now=t)
+    g = c.acquire(0, s[0], consumed=c.nodes[0].outstanding, late=0, released=0, want=1 << 30,
+                  last_round_seen=0, now=t, used_ms=200)
+    assert g.grant == shares.half_fair(period, 2) != shares.proportional(period, 1.0, 3.0)
+    t += 0.1  # the next scan: shares by speed again, now over two nodes
+    c.tick(t)
+    g = c.acquire(1, s[1], consumed=c.nodes[1].outstanding, late=0, released=0, want=1 << 30,
+                  last_round_seen=0, now=t, used_ms=200)
+    assert g.grant == shares.proportional(period, 1.0, 2.0)
