@@ -183,7 +183,7 @@ def test_bad_openings_and_calls_for_another_node_are_refused(server):
     a.close(), b.close()
 
 
-def test_a_second_stream_of_a_session_replaces_the_first(server):
+def test_a_newer_stream_of_a_node_replaces_its_older_one(server):
     servicer, addr, security = server
     a = _joined(addr, security, 0)
     _acquire(a)
@@ -199,7 +199,18 @@ def test_a_second_stream_of_a_session_replaces_the_first(server):
     old.close()
     _acquire(a)
     assert servicer.admission.open_sessions == 1
-    a.close()
+    # The node starts again as a new session (its process restarted): the old session's
+    # stream is cancelled too, so a node holds one thread however often it comes back.
+    restarted = GlobalClient(addr, "job", 0, round_timeout=5.0, security=security)
+    restarted.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5,
+                   replaces=a.session)
+    _acquire(restarted)
+    deadline = time.monotonic() + 5
+    while servicer.admission.cancelled["replaced"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert servicer.admission.cancelled["replaced"] == 2
+    assert servicer.admission.open_sessions == 1
+    a.close(), restarted.close()
 
 
 class _Silent(pb_grpc.GlobalServerServicer):
@@ -272,8 +283,9 @@ def test_session_streams_are_capped_and_a_stream_without_an_opening_is_cancelled
         _acquire(a)
         with pytest.raises(grpc.RpcError) as e:  # the one session stream is a's
             _acquire(b)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "session streams" in e.value.details()
+        # UNAVAILABLE: the node loop detaches and tries again, as for a server it cannot reach
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "refused a session stream" in e.value.details() and "session streams" in e.value.details()
         a.close()
         deadline = time.monotonic() + 5
         while servicer.admission.open_sessions and time.monotonic() < deadline:

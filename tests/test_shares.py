@@ -231,3 +231,27 @@ def test_speeds_taken_before_a_node_left_no_longer_size_the_shares():
     g = c.acquire(1, s[1], consumed=c.nodes[1].outstanding, late=0, released=0, want=1 << 30,
                   last_round_seen=0, now=t, used_ms=200)
     assert g.grant == shares.proportional(period, 1.0, 2.0)
+
+
+def test_a_drop_and_a_return_between_two_scans_also_stop_the_old_speeds_sizing_shares():
+    # the same live count and sessions as when the speeds were taken, but a node went away and
+    # came back (it may hold credits the shares did not count): half shares until the next scan
+    c, s = async_coordinator(3)
+    period = c.schedule.period
+    t = 0.0
+    for _ in range(10):
+        t += 0.2
+        for i in range(3):
+            held = c.nodes[i].outstanding
+            c.acquire(i, s[i], consumed=held, late=0, released=0, want=1 << 30,
+                      last_round_seen=0, now=t, used_ms=200 if held else 0)
+        c.tick(t)
+    assert c.rate_sum > 0
+    held = c.nodes[2].outstanding
+    c.nodes[2].alive = False  # dropped (a partition), then back with what it holds
+    c.join(job_id="j", index=2, workers=4, algorithm="easgd-async", num_groups=3, now=t,
+           resume_session=s[2], held=held, unreported=0, seq=0)
+    assert c.live_count == 3 and c.nodes[2].session == s[2]
+    g = c.acquire(0, s[0], consumed=c.nodes[0].outstanding, late=0, released=0, want=1 << 30,
+                  last_round_seen=0, now=t, used_ms=200)
+    assert g.grant == shares.half_fair(period, 3)

@@ -14,10 +14,12 @@ held all the threads, heartbeats timed out and every node was dropped (issue 9, 
 - streams whose header has not named a node session yet are capped per peer host, streams of one
   session per session, and the long-polls (AcquireCredits, ReportRound) per session: a node makes
   one call at a time, so its legitimate use is far below the caps;
-- ``Session`` streams (one per node session: the node loop's credit and round calls) hold a
-  thread each for as long as the node is there, from ``sessions`` threads of their own: at
-  most ``sessions`` are open, and a second stream of one node session replaces the first (the
-  first is cancelled);
+- ``Session`` streams (one per node: the node loop's credit and round calls) hold a thread each
+  for as long as the node is there, from ``sessions`` threads of their own: at most
+  ``sessions`` are open; until the servicer has checked a stream's opening message (the node
+  and its session) it counts as a stream that has not named a session (capped per host, and
+  cancelled without an opening within ``header_wait``); a newer checked stream of a node
+  replaces its older one, whatever the session (the older is cancelled);
 - a watchdog cancels a stream that waits on its peer too long (no upload header within
   ``header_wait``, no next chunk sent or taken within ``idle``) or lives longer than
   ``lifetime`` (a node's own deadline for a transfer is shorter); the handler's own bounded waits
@@ -113,7 +115,8 @@ class Admission(grpc.ServerInterceptor):
         self._pending: Counter[str] = Counter()  # host -> streams without a session yet
         self._sessions: Counter[tuple[int, int]] = Counter()
         self._polls: Counter[tuple[int, int]] = Counter()
-        self._by_session: dict[tuple[int, int], _Stream] = {}  # the open Session stream of each
+        self._by_node: dict[int, _Stream] = {}  # each node's checked Session stream
+        self._by_context: dict[object, _Stream] = {}  # open Session streams by their context
         self._open_sessions = 0
         self._watchdog: threading.Thread | None = None
         self._logged: dict[str, float] = {}  # reason -> last time logged (rate limit)
@@ -184,23 +187,25 @@ class Admission(grpc.ServerInterceptor):
                 stream.waiting_since = self.clock()  # for its opening message (header_wait)
                 first = next(requests, None)
                 stream.waiting_since = None
-                if first is not None and first.HasField("node"):
-                    self._bind_session(stream, first.node)
                 yield from behavior(_chain([] if first is None else [first], requests), context)
             finally:
                 self._close(stream)
 
         return session
 
-    def _bind_session(self, stream: _Stream, node) -> None:  # noqa: ANN001 - pb.NodeId
-        """``stream`` is now node session ``node``'s; an older one of that session is cancelled."""
-        key = (node.node_index, node.session)
+    def bind_session(self, context: grpc.ServicerContext, index: int, session: int) -> None:
+        """The servicer checked this stream's opening: it is node ``index``'s (``session``).
+        The node's older stream, if any, is cancelled: a node has one."""
         with self._lock:
-            old = self._by_session.get(key)
-            self._by_session[key] = stream
-            stream.session = key
+            stream = self._by_context.get(context)
+            if stream is None or stream.closed or stream.session is not None:
+                return
+            self._unbind(stream)  # off its host's count of streams without a session
+            stream.session = (index, session)
+            old = self._by_node.get(index)
+            self._by_node[index] = stream
             if old is not None:
-                old.cancelled = "replaced by a newer stream of its node session"
+                old.cancelled = "replaced by a newer stream of its node"
                 self.cancelled["replaced"] += 1
         if old is not None:
             old.context.cancel()
@@ -237,16 +242,16 @@ class Admission(grpc.ServerInterceptor):
             elif method != "Session" and len(self._streams) - self._open_sessions >= lim.streams:
                 reason = ("streams", f"the global server already has {lim.streams} parameter "
                           "streams open; try again later")
-            elif method != "Session" and self._pending[host] >= lim.pending_per_host:
-                reason = ("host", f"{host} already has {lim.pending_per_host} parameter streams "
-                          "open that have not named a node session")
+            elif self._pending[host] >= lim.pending_per_host:
+                reason = ("host", f"{host} already has {lim.pending_per_host} streams open "
+                          "that have not named a node session")
             else:
                 stream = _Stream(context, method, host, self.clock())
                 self._streams.add(stream)
+                self._pending[host] += 1
                 if method == "Session":
                     self._open_sessions += 1
-                else:
-                    self._pending[host] += 1
+                    self._by_context[context] = stream
                 if self._watchdog is None:
                     self._watchdog = threading.Thread(target=self._watch, daemon=True,
                                                       name="lsgd-stream-watchdog")
@@ -269,8 +274,8 @@ class Admission(grpc.ServerInterceptor):
 
     def _unbind(self, stream: _Stream) -> None:
         """Take ``stream`` off its host's or its session's count (lock held)."""
-        if stream.method == "Session":
-            return
+        if stream.method == "Session" and stream.session is not None:
+            return  # a checked Session stream is in ``_by_node`` only
         counts, key = ((self._pending, stream.host) if stream.session is None
                        else (self._sessions, stream.session))
         counts[key] -= 1
@@ -286,8 +291,9 @@ class Admission(grpc.ServerInterceptor):
             self._unbind(stream)
             if stream.method == "Session":
                 self._open_sessions -= 1
-                if stream.session is not None and self._by_session.get(stream.session) is stream:
-                    del self._by_session[stream.session]
+                del self._by_context[stream.context]
+                if stream.session is not None and self._by_node.get(stream.session[0]) is stream:
+                    del self._by_node[stream.session[0]]
 
     def _refuse(self, context: grpc.ServicerContext, kind: str, message: str) -> None:
         with self._lock:

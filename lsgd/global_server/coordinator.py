@@ -78,7 +78,7 @@ class Coordinator(Membership, JobStop):
         self.last_leader: RoundState | None = None  # newest closed global round with a leader
         self._scan_at = now  # when tick next looks for silent nodes
         self.rate_sum = 0.0  # live nodes' speeds summed (_take_speeds; 0: not all known)
-        self._rate_of: tuple[int, int] = (-1, -1)  # (live count, membership version) of rate_sum
+        self._rate_of = -1  # ``nodes.changes`` when rate_sum was taken
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -214,7 +214,7 @@ class Coordinator(Membership, JobStop):
         half = shares.half_fair(period, self.live_count)
         speed = shares.rate(*node.timed)
         share = shares.proportional(period, speed, self.rate_sum) if opening and (
-            self._rate_of == (self.live_count, self.nodes.version)) else 0  # same nodes
+            self._rate_of == self.nodes.changes) else 0  # over the same nodes
         if share:  # at least an eighth of a fair share, whatever another node's speed claims
             share = max(share, half // 4)
         grant = min(want, free, room, share or half)
@@ -325,7 +325,7 @@ class Coordinator(Membership, JobStop):
         self.rate_sum = sum(speeds) if speeds and all(v > 0 for v in speeds) else 0.0
         # The nodes it was taken over: once one joins, leaves or is dropped, it no longer sizes
         # shares (half shares until the next round takes the speeds again).
-        self._rate_of = (len(live), self.nodes.version)
+        self._rate_of = self.nodes.changes
 
     def _grant_last_steps(self) -> None:
         """The job ends: each worker may take one step past its last credit (the update its

@@ -93,8 +93,10 @@ class NodeState:
         if table is None or name not in _COUNTED:
             object.__setattr__(self, name, value)
             return
-        if name == "session" and value != self.__dict__.get("session"):
-            table.version += 1
+        if value != self.__dict__.get(name) and name in ("session", "alive", "left"):
+            table.changes += 1  # who is there changed
+            if name == "session":
+                table.version += 1
         table._count(self, -1)
         object.__setattr__(self, name, value)
         table._count(self, 1)
@@ -111,6 +113,7 @@ class NodeTable(dict):
         self.outstanding = 0
         self.live = 0
         self.version = 0
+        self.changes = 0  # moves on every join, new session, drop, leave and return
 
     def _count(self, node: NodeState, sign: int) -> None:
         if node.alive:
@@ -127,6 +130,7 @@ class NodeTable(dict):
         object.__setattr__(node, "_table", self)
         self._count(node, 1)
         self.version += 1
+        self.changes += 1
 
     def _refuse(self, *args: object, **kwargs: object) -> None:
         raise TypeError("nodes are added one by one and never removed (they leave or are "

@@ -349,7 +349,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
                     # server's ticker closes a round at its deadline. The tick here, once a
                     # second at most, is for a servicer without a ticker (tests): at 512 nodes
                     # a tick every 0.1 s per waiting node was 5 000 wake-ups a second.
-                    if not self.closed.wait(BARRIER_TICK):
+                    if not self.closed.wait(min(BARRIER_TICK, max(0.0, end - self.clock()))):
                         self._change(lambda: self.coord.tick(self.clock()))
                     out = self.coord.outcome(node.node_index, request.round_id)
                 stopped = self.coord.stopped_for(node.node_index)

@@ -81,6 +81,8 @@ def serve(servicer: "GlobalServicer", requests: Iterator[pb.SessionRequest],
             servicer.coord._node(node.node_index, node.session, servicer.clock())
     except CoordinatorError as exc:
         context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+    if servicer.admission is not None:  # the node's stream now (its older one is cancelled)
+        servicer.admission.bind_session(context, node.node_index, node.session)
     expected = 1
     for req in requests:
         if req.n != expected:

@@ -73,7 +73,7 @@ class SessionStream:
         if self._key is not None:
             msg.mac = session_mac(self._key, self.nonce, self.n, FIELDS[field], body)
         self._requests.put(msg)
-        WATCHDOG.watch(self, time.monotonic() + timeout)
+        WATCHDOG.watch(self, self.n, time.monotonic() + timeout)
         try:
             reply = next(self._replies)
         except StopIteration:
@@ -85,6 +85,10 @@ class SessionStream:
             if self.expired:
                 raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no answer on the session stream within {timeout:g} s") from None
+            if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the server is full now:
+                raise CallError(grpc.StatusCode.UNAVAILABLE,  # the node tries again later
+                                f"the global server refused a session stream: {exc.details()}"
+                                ) from None
             raise
         finally:
             WATCHDOG.done(self)
@@ -112,9 +116,13 @@ class SessionStream:
         self._requests.put(None)
         self._call.cancel()
 
-    def expire(self) -> None:
-        """The watchdog's: the reply is overdue."""
-        self.expired = True
+    def expire(self, n: int) -> None:
+        """The watchdog's: the reply to message ``n`` is overdue (nothing, if that call is
+        over: the watchdog may look just as it is answered)."""
+        with WATCHDOG.lock:
+            if WATCHDOG.watched(self) != n:
+                return
+            self.expired = True
         self._call.cancel()
 
 
@@ -125,35 +133,38 @@ class _Watchdog:
     TICK = 0.1
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._due: dict[SessionStream, float] = {}
+        self.lock = threading.Lock()
+        self._due: dict[SessionStream, tuple[int, float]] = {}  # message number, deadline
         self._thread: threading.Thread | None = None
 
-    def watch(self, stream: SessionStream, due: float) -> None:
-        with self._lock:
-            self._due[stream] = due
+    def watched(self, stream: SessionStream) -> int | None:
+        """The message whose reply ``stream`` awaits (lock held)."""
+        entry = self._due.get(stream)
+        return None if entry is None else entry[0]
+
+    def watch(self, stream: SessionStream, n: int, due: float) -> None:
+        with self.lock:
+            self._due[stream] = (n, due)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="lsgd-session-watchdog",
                                                 daemon=True)
                 self._thread.start()
 
     def done(self, stream: SessionStream) -> None:
-        with self._lock:
+        with self.lock:
             self._due.pop(stream, None)
 
     def _run(self) -> None:
         while True:
             time.sleep(self.TICK)
             now = time.monotonic()
-            with self._lock:
+            with self.lock:
                 if not self._due:
                     self._thread = None  # the next watch starts another
                     return
-                overdue = [s for s, due in self._due.items() if due <= now]
-                for s in overdue:
-                    del self._due[s]
-            for s in overdue:
-                s.expire()
+                overdue = [(s, n) for s, (n, due) in self._due.items() if due <= now]
+            for s, n in overdue:
+                s.expire(n)
 
 
 WATCHDOG = _Watchdog()
