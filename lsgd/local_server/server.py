@@ -263,7 +263,7 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
         self.metrics.close()
         if self.board is not None:
             self.board.close()
-        self._leave_at_end(code)
+        self._leave_at_end(code)  # after the workers' teardown: their last steps are counted
         self.client.close()
         self.summary.setdefault("node", self.cfg.node_index)
         self.summary["stop_reason"] = reason or "unknown"
