@@ -208,7 +208,7 @@ class CallCheck(grpc.ServerInterceptor):
                 if first is None:
                     return
                 yield first
-                if self.verifier is None or not method.endswith(SESSION_METHOD):
+                if self.verifier is None or method != SESSION_METHOD:
                     yield from requests
                     return
                 for request in requests:  # a Session stream: every later message has its MAC

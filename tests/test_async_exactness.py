@@ -24,6 +24,7 @@ from lsgd.global_server.server import build_servicer, create_server
 from lsgd.local_server import async_node
 from lsgd.local_server.async_node import AsyncNode, buffer_names
 from lsgd.local_server.global_client import GlobalClient
+from lsgd.local_server.session_stream import CallError
 from lsgd.local_server.store import NodeStore, StoreLayout
 from lsgd.proto import lsgd_pb2 as pb
 from lsgd.proto import lsgd_pb2_grpc as pb_grpc
@@ -237,18 +238,6 @@ def test_a_synchronous_rule_refuses_center_deltas_over_grpc():
 
 
 # ---------------------------------------------------------------------------- AsyncNode
-class FakeRpcError(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self._code, self._details = code, details
-
-    def code(self) -> grpc.StatusCode:
-        return self._code
-
-    def details(self) -> str:
-        return self._details
-
-
 class FlakyClient:
     """A node's ``GlobalClient`` straight into a ``ParamStore``, breaking now and then.
 
@@ -264,8 +253,8 @@ class FlakyClient:
         self.pushes = 0
         self.lock = threading.Lock()  # the sync thread and flush() never overlap, but be sure
 
-    def _fail(self, what: str) -> FakeRpcError:
-        return FakeRpcError(grpc.StatusCode.UNAVAILABLE, f"{what}: connection reset")
+    def _fail(self, what: str) -> CallError:
+        return CallError(grpc.StatusCode.UNAVAILABLE, f"{what}: connection reset")
 
     def push(self, buffer: str, vec: np.ndarray, round_id: int, summands: int = 0,
              wire: str = "float32", weight: float = 0.0) -> None:
@@ -285,7 +274,7 @@ class FlakyClient:
         except Broken:
             raise self._fail("push") from None
         except ParamError as exc:
-            raise FakeRpcError(getattr(grpc.StatusCode, exc.code), str(exc)) from None
+            raise CallError(getattr(grpc.StatusCode, exc.code), str(exc)) from None
         if lost:
             raise self._fail("push answer")
 

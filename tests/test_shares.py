@@ -206,13 +206,10 @@ def test_a_node_claiming_a_huge_speed_cannot_starve_the_others():
     assert g.grant >= shares.half_fair(period, 2) // 4 > 1
 
 
-def test_speeds_taken_before_a_node_left_no_longer_size_the_shares():
-    # 3 nodes of one speed, measured; node 2 leaves between two scans: its speed is still in
-    # the sum, which would make node 0's share a third of a period (and, had a node joined
-    # instead, leave the newcomer nothing). Until the next scan takes the speeds of the nodes
-    # that are there, shares are half a fair share.
+def three_measured_nodes():
+    """Three asynchronous nodes of one speed, stepped until their speeds size the shares:
+    (coordinator, sessions, now)."""
     c, s = async_coordinator(3)
-    period = c.schedule.period
     t = 0.0
     for _ in range(10):
         t += 0.2
@@ -222,6 +219,16 @@ def test_speeds_taken_before_a_node_left_no_longer_size_the_shares():
                       last_round_seen=0, now=t, used_ms=200 if held else 0)
         c.tick(t)
     assert c.rate_sum > 0
+    return c, s, t
+
+
+def test_speeds_taken_before_a_node_left_no_longer_size_the_shares():
+    # 3 nodes of one speed, measured; node 2 leaves between two scans: its speed is still in
+    # the sum, which would make node 0's share a third of a period (and, had a node joined
+    # instead, leave the newcomer nothing). Until the next scan takes the speeds of the nodes
+    # that are there, shares are half a fair share.
+    c, s, t = three_measured_nodes()
+    period = c.schedule.period
     c.leave(2, s[2], consumed=c.nodes[2].outstanding, late=0, now=t)
     g = c.acquire(0, s[0], consumed=c.nodes[0].outstanding, late=0, released=0, want=1 << 30,
                   last_round_seen=0, now=t, used_ms=200)
@@ -236,17 +243,8 @@ def test_speeds_taken_before_a_node_left_no_longer_size_the_shares():
 def test_a_drop_and_a_return_between_two_scans_also_stop_the_old_speeds_sizing_shares():
     # the same live count and sessions as when the speeds were taken, but a node went away and
     # came back (it may hold credits the shares did not count): half shares until the next scan
-    c, s = async_coordinator(3)
+    c, s, t = three_measured_nodes()
     period = c.schedule.period
-    t = 0.0
-    for _ in range(10):
-        t += 0.2
-        for i in range(3):
-            held = c.nodes[i].outstanding
-            c.acquire(i, s[i], consumed=held, late=0, released=0, want=1 << 30,
-                      last_round_seen=0, now=t, used_ms=200 if held else 0)
-        c.tick(t)
-    assert c.rate_sum > 0
     held = c.nodes[2].outstanding
     c.nodes[2].alive = False  # dropped (a partition), then back with what it holds
     c.join(job_id="j", index=2, workers=4, algorithm="easgd-async", num_groups=3, now=t,

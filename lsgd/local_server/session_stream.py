@@ -77,11 +77,11 @@ class SessionStream:
         try:
             reply = next(self._replies)
         except StopIteration:
-            self._break()
+            self.close()
             raise CallError(grpc.StatusCode.UNAVAILABLE,
                             "the global server closed the session stream") from None
         except grpc.RpcError as exc:
-            self._break()
+            self.close()
             if self.expired:
                 raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no answer on the session stream within {timeout:g} s") from None
@@ -93,7 +93,7 @@ class SessionStream:
         finally:
             WATCHDOG.done(self)
         if reply.n != self.n:
-            self._break()
+            self.close()
             raise CallError(grpc.StatusCode.INTERNAL, f"session reply {reply.n} to message "
                             f"{self.n}: the stream is out of step")
         if reply.code:
@@ -105,10 +105,6 @@ class SessionStream:
         """The stream can take no more calls: it broke, was closed, or the server ended it
         (e.g. it restarted) while no call was waiting."""
         return self.broken or self._call.done()
-
-    def _break(self) -> None:
-        self.broken = True
-        self.close()
 
     def close(self) -> None:
         """End the stream (idempotent)."""
