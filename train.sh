@@ -63,6 +63,8 @@ wire="${WIRE:-float32}"              # parameter encoding between nodes: float32
 plane="${PLANE:-star}"              # leader/sums between nodes: star (via node 0) | chain (node to node)
 data_host="${DATA_HOST:-}"          # PLANE=chain: this node's address for the others (empty: auto)
 data_port="${DATA_PORT:-0}"         # PLANE=chain: this node's data port (0: any free port)
+devices="${DEVICES:-}"              # GPUs: local worker i on GPU i mod n of this list, e.g. 0,1
+                                    #   (empty: every GPU of the node; all: no mapping)
 # --- security (see README "Security"; `python -m lsgd certs` creates the files) ------------
 secret_file="${SECRET_FILE:-}"      # job secret (or set LSGD_SECRET); needed beyond loopback
 tls_ca="${TLS_CA:-}"                # CA certificate: TLS on every channel
@@ -105,6 +107,7 @@ exec "$PYTHON" -m lsgd train \
     --reconnect-timeout "$reconnect_timeout" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
     --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \
     --plane "$plane" --data-host "$data_host" --data-port "$data_port" \
+    --devices "$devices" \
     --secret-file "$secret_file" --tls-ca "$tls_ca" --tls-cert "$tls_cert" --tls-key "$tls_key" \
     --mtls "$mtls" --allow-insecure "$allow_insecure" --status-port "$status_port" \
     --progress-every "$progress_every" --tensorboard "$tensorboard" --log-level "$log_level"

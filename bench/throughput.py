@@ -112,7 +112,7 @@ def lsgd_run(workers: int, seconds: float, run_dir: Path, algorithm: str = "lsgd
             "summary": read_json(run_dir / "node0" / "summary.json")}
 
 
-def rate(records: list[dict]) -> float:
+def rate(records: list[dict], batch: int = BATCH) -> float:
     """Steady-state samples per second of all workers together.
 
     Counted over the window in which every worker was training (from the last one's start to
@@ -127,7 +127,7 @@ def rate(records: list[dict]) -> float:
     for r in records:
         t, n = zip(*r["marks"])
         total += float(np.interp(hi, t, n) - np.interp(lo, t, n))
-    return total * BATCH / (hi - lo)
+    return total * batch / (hi - lo)
 
 
 def run_throughput(quick: bool) -> list[Result]:

@@ -81,6 +81,10 @@ class JobConfig:
                                "data listener at (default: the one it reaches node 0 from)")
     data_port: int = _f(0, "PLANE=chain: the TCP port of this node's data listener (0: any "
                         "free port; set one to open it in a firewall)")
+    devices: str | None = _f(None, "GPUs of this node's worker processes: local worker i sees "
+                             "entry i mod n of this comma-separated list as its one GPU "
+                             "(CUDA_VISIBLE_DEVICES), e.g. 0,1; empty: every GPU of the node; "
+                             "all: every worker sees every GPU")
     secret_file: str | None = _f(None, "file holding the job secret (or set LSGD_SECRET); needed "
                                  "when node 0 listens beyond loopback")
     tls_ca: str | None = _f(None, "CA certificate that signed node 0's certificate: TLS on every node")
@@ -179,6 +183,10 @@ class JobConfig:
                 raise ConfigError("wire bfloat16 needs the ml_dtypes package: "
                                   "pip install 'lsgd[bf16]'") from None
         self._validate_plane(need)
+        from .local_server.gpus import check as check_devices
+
+        wrong = check_devices(self.devices or "")
+        need(wrong is None, str(wrong))
         if self.tensorboard and importlib.util.find_spec("tensorboardX") is None:
             raise ConfigError("tensorboard (TENSORBOARD=1) needs the tensorboardX package: "
                               "pip install 'lsgd[tensorboard]'")

@@ -98,13 +98,18 @@ def test_torch_example_trains_on_two_nodes(cluster):
 
 
 @pytest.mark.timeout(300)
-def test_torch_example_on_cuda(cluster):
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+def test_torch_example_on_cuda(cluster, algorithm):
+    """2 nodes x 2 workers, every worker's model on its GPU (tests/test_gpus.py: which one)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    ev = _train_two_nodes(cluster, str(REPO / "examples" / "torch_cnn.py") + " --device cuda", "lsgd")
+    ev = _train_two_nodes(cluster, str(REPO / "examples" / "torch_cnn.py") + " --device cuda",
+                          algorithm)
     assert ev["leader"]["accuracy"] >= README_ACCURACY
     assert ev["average"]["accuracy"] >= README_ACCURACY
+    if algorithm == "easgd":
+        assert ev["center"]["accuracy"] >= README_ACCURACY
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

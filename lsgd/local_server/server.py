@@ -40,6 +40,7 @@ from ..rules.base import CENTER, Exchange
 from ..security import Security
 from ..worker.client import WorkerContext
 from ..worker.process import worker_main
+from . import gpus
 from . import messages as m
 from . import tensorboard
 from .async_node import AsyncNode, buffer_names
@@ -131,6 +132,7 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
         self.eval_leader: dict[int, int | None] = {}  # round -> leader id being evaluated
         self.resets: dict[int, int] = {}  # worker id -> resets after non-finite values
         self.evaluator: Evaluator | None = None
+        self.gpus: list[str] | None = None  # each worker's GPU (gpus.py), set at start
         self.repeats = RepeatedLog(log)  # warnings that may come every round: once, then counted
         self.ending = {"rounds": 0, "healthy": 0, "elected": 0}  # rounds seen here (ending.py)
         self.stop_sent_at: float | None = None  # when the workers were told to stop
@@ -207,6 +209,9 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
 
     def _start_workers(self) -> None:
         reclaim_semaphores(self.dir)  # of a run of this node killed outright, before ours exist
+        self.gpus = gpus.node_gpus(self.cfg.devices or "")
+        if (line := gpus.describe(self.gpus, self.cfg.workers)) is not None:
+            log.info("node %d: %s", self.cfg.node_index, line)
         for i in range(self.cfg.workers):
             proc, replies = self._spawn(i, evaluator=False, name=f"worker-{self.cfg.worker_id(i)}", restarts=0)
             self.workers.append(WorkerState(i, self.cfg.worker_id(i), proc, replies, time.monotonic()))
@@ -219,7 +224,7 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
         remember_semaphores(self.dir, replies)
         sender = self.inbox.open()
         ctx = WorkerContext(self.cfg, local, sender, replies, os.getpid(), self.beat, evaluator,
-                            restarts)
+                            restarts, gpus.for_worker(self.gpus, local))
         proc = start_process(self.mp, worker_main, (ctx, self.log_level), f"lsgd-{name}")
         self.inbox.bind(sender, proc.pid)
         return proc, replies

@@ -68,6 +68,7 @@ class WorkerContext:
     beat: Any  # shared double: the local server's loop writes time.monotonic() into it as it runs
     evaluator: bool = False  # the node's evaluator: builds the model, never trains
     restarts: int = 0  # how many times this worker's process was respawned before this one
+    gpu: str | None = None  # CUDA_VISIBLE_DEVICES of this process (local_server/gpus.py)
 
 
 class NotTraining(RuntimeError):

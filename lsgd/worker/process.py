@@ -181,6 +181,8 @@ def worker_main(ctx: WorkerContext, log_level: int) -> None:
     # Registered first, so it runs after the user's own exit handlers.
     atexit.register(gc.freeze)
     lead_own_group(ctx.parent_pid)
+    if ctx.gpu is not None:  # before the user's code can start CUDA (local_server/gpus.py)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ctx.gpu
     who = "evaluator" if ctx.evaluator else f"worker {ctx.config.worker_id(ctx.local_index)}"
     logging.basicConfig(level=log_level, format=log_format(who))
     if log_level > logging.DEBUG:  # PyTensor's dozen "Suppressed KeyError" lines at import

@@ -70,8 +70,9 @@ class TorchParams:
         self.stats_count = sum(t.numel() for t in stats)
         self.average_stats = buffers == "average" and self.stats_count > 0
         self._host: torch.Tensor | None = None
-        if self.device.type == "cuda":
-            self._host = torch.empty(pos, dtype=torch.float32, pin_memory=True)
+        if self.device.type == "cuda":  # pinned through the model's GPU, not cuda:0's context
+            with torch.cuda.device(self.device):
+                self._host = torch.empty(pos, dtype=torch.float32, pin_memory=True)
 
     @staticmethod
     def _tensors_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,91 @@
+"""Which GPU each of a node's worker processes sees: local worker i gets GPU i mod n.
+
+The local server sets ``CUDA_VISIBLE_DEVICES`` of each worker process to one GPU, so the
+user's code keeps saying ``cuda`` (``--device cuda``, ``model.cuda()``) and lands on its own
+GPU, with any framework. The evaluator shares local worker 0's GPU. A respawned worker gets the
+GPU it had. The GPUs are, in order:
+
+- ``DEVICES`` when set: a comma-separated list of what ``CUDA_VISIBLE_DEVICES`` takes (indices,
+  ``GPU-…`` or ``MIG-…`` UUIDs); an entry may repeat, ``0,0,1,1`` puts two workers per GPU;
+- else the node's own ``CUDA_VISIBLE_DEVICES``, when set (a scheduler's allocation);
+- else every NVIDIA GPU of the machine (``/proc/driver/nvidia/gpus``).
+
+``DEVICES=all`` leaves every worker seeing every GPU of the node (code that places its model
+itself, or uses several GPUs per worker). With no GPU found nothing is set, and CPU jobs are
+unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Mapping
+
+ALL = "all"
+_ENTRY = re.compile(r"\d{1,4}|(GPU|MIG)-[0-9A-Za-z./-]{1,120}")
+PROC_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def check(devices: str) -> str | None:
+    """What is wrong with a ``DEVICES`` value (None: nothing)."""
+    if devices in ("", ALL):
+        return None
+    entries = devices.split(",")
+    if len(entries) > 1024:
+        return f"devices lists {len(entries)} GPUs; at most 1024"
+    for e in entries:
+        if not _ENTRY.fullmatch(e.strip()):
+            return (f"devices entry '{e.strip()[:40]}' is not a GPU: give indices or GPU-/MIG- "
+                    f"UUIDs separated by commas, e.g. 0,1 (or 'all', or empty for every GPU)")
+    return None
+
+
+def machine_gpus(proc: Path = PROC_GPUS, smi: str | None = "nvidia-smi") -> int:
+    """How many NVIDIA GPUs the driver shows (0 without the driver): its /proc entries, or
+    ``nvidia-smi -L`` where a container or VM has no /proc/driver/nvidia."""
+    try:
+        return sum(1 for p in proc.iterdir() if p.is_dir())
+    except OSError:
+        pass
+    path = shutil.which(smi) if smi else None
+    if path is None:
+        return 0
+    try:
+        out = subprocess.run([path, "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def node_gpus(devices: str, environ: Mapping[str, str] = os.environ,
+              count: int | None = None) -> list[str] | None:
+    """The node's GPUs in worker order; None: leave the workers' environment as it is."""
+    if devices == ALL:
+        return None
+    if devices:
+        return [e.strip() for e in devices.split(",")]
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [e.strip() for e in visible.split(",") if e.strip()]
+        return entries or None  # set empty: the node sees no GPU
+    n = machine_gpus() if count is None else count
+    return [str(i) for i in range(n)] or None
+
+
+def for_worker(gpus: list[str] | None, local_index: int) -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` of local worker ``local_index`` (negative: the evaluator, on
+    worker 0's GPU); None: left as it is."""
+    if not gpus:
+        return None
+    return gpus[max(local_index, 0) % len(gpus)]
+
+
+def describe(gpus: list[str] | None, workers: int) -> str | None:
+    """One line for the node's log, e.g. ``workers on GPUs 0, 1, 0, 1 (...)``."""
+    if not gpus:
+        return None
+    each = ", ".join(for_worker(gpus, i) or "" for i in range(workers))
+    return f"workers on GPUs {each} (local worker i on GPU i mod {len(gpus)}; DEVICES overrides)"

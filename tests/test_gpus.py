@@ -1,0 +1,127 @@
+"""Which GPU each worker process sees (lsgd/local_server/gpus.py), and the GPU path itself.
+
+The mapping is checked without a GPU: it only sets each worker's ``CUDA_VISIBLE_DEVICES``. The
+CUDA tests at the end skip without a CUDA device (CI has none); they ran on an H200
+(docs/benchmarks.md, "GPU").
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lsgd.config import ConfigError, JobConfig
+from lsgd.local_server import gpus
+
+
+def test_worker_i_gets_gpu_i_mod_n_and_the_evaluator_worker_0s():
+    four = gpus.node_gpus("", {}, count=4)
+    assert [gpus.for_worker(four, i) for i in range(6)] == ["0", "1", "2", "3", "0", "1"]
+    assert gpus.for_worker(four, -1) == "0"  # the evaluator
+    two = gpus.node_gpus("", {}, count=2)
+    assert gpus.describe(two, 3).startswith("workers on GPUs 0, 1, 0 (")
+
+
+def test_devices_overrides_then_the_nodes_own_visible_list_then_every_gpu():
+    env = {"CUDA_VISIBLE_DEVICES": "4,6"}
+    assert gpus.node_gpus("2,2,3", env, count=8) == ["2", "2", "3"]  # DEVICES first
+    assert gpus.node_gpus("", env, count=8) == ["4", "6"]  # a scheduler's allocation
+    assert gpus.node_gpus("", {"CUDA_VISIBLE_DEVICES": "GPU-ab12, GPU-cd34"}, 8) == \
+        ["GPU-ab12", "GPU-cd34"]
+    assert gpus.node_gpus("", {"CUDA_VISIBLE_DEVICES": ""}, count=8) is None  # hidden: no GPU
+    assert gpus.node_gpus("", {}, count=0) is None  # a CPU machine: nothing is set
+    assert gpus.node_gpus("all", env, count=8) is None  # every worker sees every GPU
+    assert gpus.for_worker(None, 3) is None and gpus.describe(None, 2) is None
+
+
+def test_gpus_are_counted_from_the_driver(tmp_path):
+    assert gpus.machine_gpus(tmp_path / "missing", smi=None) == 0
+    for bus in ("0000:01:00.0", "0000:41:00.0"):
+        (tmp_path / bus).mkdir()
+    (tmp_path / "stray-file").write_text("")
+    assert gpus.machine_gpus(tmp_path) == 2
+    smi = tmp_path / "bin" / "nvidia-smi"  # no /proc/driver/nvidia (some VMs): nvidia-smi -L
+    smi.parent.mkdir()
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-1)'\n"
+                   "echo '  MIG 1g.18gb Device 0: (UUID: MIG-2)'\necho 'GPU 1: NVIDIA H200'\n")
+    smi.chmod(0o755)
+    assert gpus.machine_gpus(tmp_path / "missing", smi=str(smi)) == 2
+    assert gpus.machine_gpus(tmp_path / "missing", smi=str(tmp_path / "no-such-tool")) == 0
+
+
+@pytest.mark.parametrize("value, ok", [
+    ("", True), ("all", True), ("0", True), ("0,1,0,1", True), (" 1, 3", True),
+    ("GPU-3f2a9c1e-0000-1111-2222-333344445555", True), ("MIG-GPU-3f2a/1/0", True),
+    ("cuda:0", False), ("0,,1", False), ("0;1", False), ("-1", False), ("x" * 5000, False),
+    (",".join(["0"] * 1025), False),
+])
+def test_devices_values_are_checked_when_the_job_starts(value, ok):
+    if ok:
+        assert JobConfig(devices=value or None).devices == (value or None)
+    else:
+        with pytest.raises(ConfigError, match="devices"):
+            JobConfig(devices=value)
+
+
+def test_a_bad_devices_knob_is_one_line_and_exit_2(tmp_path):
+    from test_config_cli import run_train
+
+    res = run_train(tmp_path, ("DEVICES", "cuda:1"), timeout=30)
+    assert res.returncode == 2
+    assert res.stderr.strip().count("\n") == 0, res.stderr
+    assert "devices entry 'cuda:1' is not a GPU" in res.stderr
+
+
+RECORD = '''
+import json, os
+import numpy as np
+import lsgd
+
+def main():
+    x = np.zeros(10, np.float32)
+    worker = lsgd.connect([x])
+    with open(os.path.join(os.environ["SEEN_DIR"], f"{worker.worker_id}.json"), "w") as f:
+        json.dump(os.environ.get("CUDA_VISIBLE_DEVICES"), f)
+    while worker.step(1.0):
+        x += 1
+'''
+
+
+@pytest.mark.timeout(90)
+def test_each_worker_process_sees_its_gpu_and_a_respawned_one_the_same(cluster, tmp_path):
+    (tmp_path / "seenjob.py").write_text(RECORD)
+    seen = tmp_path / "seen"
+    seen.mkdir()
+    node = cluster(0, PORT=0, WORKERS=3, ITERATIONS=600, DEVICES="5,7", ENTRY="seenjob:main",
+                   SEEN_DIR=seen, PYTHONPATH=tmp_path, LOG_LEVEL="INFO")
+    assert node.wait(60) == 0, node.output
+    got = {int(p.stem): json.loads(p.read_text()) for p in seen.glob("*.json")}
+    assert got == {0: "5", 1: "7", 2: "5"}
+    assert "workers on GPUs 5, 7, 5 (local worker i on GPU i mod 2" in node.output
+
+
+# ---------------------------------------------------------------- on a CUDA device only
+def _cuda():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return torch
+
+
+def test_pinned_round_trip_of_a_25m_parameter_model_is_exact():
+    torch = _cuda()
+    import numpy as np
+
+    from lsgd.worker.adapters import as_params
+
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 2048)).cuda()
+    p = as_params(model)
+    assert p.param_count > 25_000_000 and p._host.is_pinned()
+    flat = np.empty(p.param_count, np.float32)
+    p.read_into(flat)
+    assert np.array_equal(flat[:10], model[0].weight.detach().reshape(-1)[:10].cpu().numpy())
+    flat *= -1
+    p.write_from(flat)
+    back = torch.cat([t.detach().reshape(-1) for t in p.tensors]).cpu().numpy()
+    assert np.array_equal(back, flat)
