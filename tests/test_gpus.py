@@ -125,3 +125,30 @@ def test_pinned_round_trip_of_a_25m_parameter_model_is_exact():
     p.write_from(flat)
     back = torch.cat([t.detach().reshape(-1) for t in p.tensors]).cpu().numpy()
     assert np.array_equal(back, flat)
+
+
+def test_a_page_locked_slot_is_copied_straight_and_exactly():
+    torch = _cuda()
+    import numpy as np
+
+    from lsgd.worker.adapters import as_params
+
+    model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512)).cuda()
+    p = as_params(model, buffers="average")
+    slot, other = np.empty(p.param_count, np.float32), np.empty(p.param_count, np.float32)
+    assert p.pin(slot) and not p.pin(slot)  # once
+    assert p._direct(slot) is not None and p._direct(other) is None
+    p.read_into(slot)
+    ref = torch.cat([t.detach().reshape(-1) for t in p.tensors]).cpu().numpy()
+    assert np.array_equal(slot, ref)
+    slot[:] = np.arange(p.param_count, dtype=np.float32)
+    p.write_from(slot)  # straight from the slot
+    assert np.array_equal(torch.cat([t.detach().reshape(-1) for t in p.tensors]).cpu().numpy(), slot)
+    other[:] = -1.5
+    p.write_from(other)  # any other vector: through the pinned buffer
+    assert all(bool((t == -1.5).all()) for t in p.tensors)
+    p.unpin()
+    p.unpin()
+    assert p._direct(slot) is None
+    p.read_into(slot)
+    assert (slot == -1.5).all()

@@ -178,6 +178,8 @@ class Worker:
                 self._state.load()
             else:  # created lazily (PyTorch optimizers): load it after the first step
                 self._load_state_later = True
+        if (pin := getattr(self._params, "pin", None)) is not None:  # a GPU model: DMA to the slot
+            pin(self._store.slot(self.local_index))
         if setup.from_slot:  # respawned, resumed, or joining a running job: continue from there
             self._params.write_from(self._store.slot(self.local_index))
         else:
@@ -287,6 +289,8 @@ class Worker:
             self._send(m.Bye(self.local_index, self._take_unreported()))
             self._stopped = True
         if self._store is not None:
+            if (unpin := getattr(self._params, "unpin", None)) is not None:
+                unpin()  # before the slot's memory is unmapped
             self._store.close()
             self._store = None
 

@@ -24,10 +24,13 @@ the parameters' ``.grad`` (the last ``backward()``), read at rounds only
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 class TorchParams:
@@ -70,6 +73,7 @@ class TorchParams:
         self.stats_count = sum(t.numel() for t in stats)
         self.average_stats = buffers == "average" and self.stats_count > 0
         self._host: torch.Tensor | None = None
+        self._slot: tuple[int, int, torch.Tensor] | None = None  # pin(): (address, size, view)
         if self.device.type == "cuda":  # pinned through the model's GPU, not cuda:0's context
             with torch.cuda.device(self.device):
                 self._host = torch.empty(pos, dtype=torch.float32, pin_memory=True)
@@ -102,23 +106,64 @@ class TorchParams:
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
 
+    def pin(self, slot: np.ndarray) -> bool:
+        """Page-lock the worker's shared-memory slot for the GPU (``cudaHostRegister``), so
+        that rounds copy straight between the model and the slot, with no pinned buffer and no
+        host-side copy between them. Until ``unpin()``, the slot's memory must stay mapped (the
+        worker unpins before it detaches). False, and the pinned buffer still used, for a CPU
+        model or where CUDA refuses."""
+        if self._host is None or self._slot is not None:
+            return False
+        ptr = slot.ctypes.data
+        with torch.cuda.device(self.device):
+            err = int(torch.cuda.cudart().cudaHostRegister(ptr, slot.nbytes, 0))
+        if err != 0:
+            log.info("slot not page-locked (cudaError %d): rounds copy through the pinned "
+                     "buffer", err)
+            return False
+        self._slot = (ptr, slot.size, torch.from_numpy(slot))
+        return True
+
+    def unpin(self) -> None:
+        """Undo ``pin()`` (safe to call twice)."""
+        if self._slot is not None:
+            ptr, _, _ = self._slot
+            self._slot = None
+            with torch.cuda.device(self.device):
+                torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def _direct(self, flat: np.ndarray) -> torch.Tensor | None:
+        """The page-locked slot as a tensor when ``flat`` is it, else None."""
+        if self._slot is not None and flat.ctypes.data == self._slot[0] and flat.size == self._slot[1]:
+            return self._slot[2]
+        return None
+
     @torch.no_grad()
     def read_into(self, flat: np.ndarray) -> None:
-        host = self._host if self._host is not None else torch.from_numpy(flat)
+        if self._host is None:  # a CPU model: straight into flat
+            host = torch.from_numpy(flat)
+            for (pos, size), t in zip(self.spans, self.tensors):
+                host[pos : pos + size].copy_(t.reshape(-1))
+            return
+        direct = self._direct(flat)
+        host = direct if direct is not None else self._host
         for (pos, size), t in zip(self.spans, self.tensors):
-            host[pos : pos + size].copy_(t.reshape(-1), non_blocking=self._host is not None)
-        if self._host is not None:
-            self._sync()
+            host[pos : pos + size].copy_(t.reshape(-1), non_blocking=True)
+        self._sync()
+        if direct is None:
             np.copyto(flat, self._host.numpy())
 
     @torch.no_grad()
     def write_from(self, flat: np.ndarray) -> None:
-        if self._host is not None:
+        if self._host is None:
+            host = torch.from_numpy(flat)
+            for (pos, size), t in zip(self.spans, self.tensors):
+                t.copy_(host[pos : pos + size].view(t.shape))
+            return
+        host = self._direct(flat)
+        if host is None:
             np.copyto(self._host.numpy(), flat)
             host = self._host
-        else:
-            host = torch.from_numpy(flat)
         for (pos, size), t in zip(self.spans, self.tensors):
-            t.copy_(host[pos : pos + size].view(t.shape), non_blocking=self._host is not None)
-        if self._host is not None:
-            self._sync()  # the pinned buffer may be rewritten by the next call
+            t.copy_(host[pos : pos + size].view(t.shape), non_blocking=True)
+        self._sync()  # the slot or the pinned buffer may be rewritten once this returns
