@@ -116,8 +116,12 @@ def under_lsgd(workers: int, iterations: int, tmp: Path, **knobs: object) -> dic
         code = node.wait(600)
     finally:
         mem = peaks.stop()
-        if node.poll() is None:
-            node.kill()
+        if node.poll() is None:  # interrupted or overdue: the node cleans up on SIGTERM
+            node.terminate()
+            try:
+                node.wait(30)
+            except subprocess.TimeoutExpired:
+                node.kill()
     log = (run_dir / "node0.log").read_text()
     if code != 0:
         raise RuntimeError(f"lsgd run failed (exit {code}): {log[-3000:]}")

@@ -35,19 +35,19 @@ def test_devices_overrides_then_the_nodes_own_visible_list_then_every_gpu():
     assert gpus.for_worker(None, 3) is None and gpus.describe(None, 2) is None
 
 
-def test_gpus_are_counted_from_the_driver(tmp_path):
+def test_gpus_are_counted_by_nvidia_smi_else_from_the_driver(tmp_path):
     assert gpus.machine_gpus(tmp_path / "missing", smi=None) == 0
-    for bus in ("0000:01:00.0", "0000:41:00.0"):
+    for bus in ("0000:01:00.0", "0000:41:00.0", "0000:81:00.0"):
         (tmp_path / bus).mkdir()
     (tmp_path / "stray-file").write_text("")
-    assert gpus.machine_gpus(tmp_path) == 2
-    smi = tmp_path / "bin" / "nvidia-smi"  # no /proc/driver/nvidia (some VMs): nvidia-smi -L
+    assert gpus.machine_gpus(tmp_path, smi=None) == 3  # no nvidia-smi: the driver's entries
+    assert gpus.machine_gpus(tmp_path, smi=str(tmp_path / "no-such-tool")) == 3
+    smi = tmp_path / "bin" / "nvidia-smi"  # a container's own GPUs, fewer than the host's
     smi.parent.mkdir()
     smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: GPU-1)'\n"
                    "echo '  MIG 1g.18gb Device 0: (UUID: MIG-2)'\necho 'GPU 1: NVIDIA H200'\n")
     smi.chmod(0o755)
-    assert gpus.machine_gpus(tmp_path / "missing", smi=str(smi)) == 2
-    assert gpus.machine_gpus(tmp_path / "missing", smi=str(tmp_path / "no-such-tool")) == 0
+    assert gpus.machine_gpus(tmp_path, smi=str(smi)) == 2
 
 
 @pytest.mark.parametrize("value, ok", [

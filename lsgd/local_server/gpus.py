@@ -8,7 +8,7 @@ GPU it had. The GPUs are, in order:
 - ``DEVICES`` when set: a comma-separated list of what ``CUDA_VISIBLE_DEVICES`` takes (indices,
   ``GPU-…`` or ``MIG-…`` UUIDs); an entry may repeat, ``0,0,1,1`` puts two workers per GPU;
 - else the node's own ``CUDA_VISIBLE_DEVICES``, when set (a scheduler's allocation);
-- else every NVIDIA GPU of the machine (``/proc/driver/nvidia/gpus``).
+- else every NVIDIA GPU the node can use (``nvidia-smi -L``, else ``/proc/driver/nvidia/gpus``).
 
 ``DEVICES=all`` leaves every worker seeing every GPU of the node (code that places its model
 itself, or uses several GPUs per worker). With no GPU found nothing is set, and CPU jobs are
@@ -44,20 +44,19 @@ def check(devices: str) -> str | None:
 
 
 def machine_gpus(proc: Path = PROC_GPUS, smi: str | None = "nvidia-smi") -> int:
-    """How many NVIDIA GPUs the driver shows (0 without the driver): its /proc entries, or
-    ``nvidia-smi -L`` where a container or VM has no /proc/driver/nvidia."""
+    """How many NVIDIA GPUs this node can use (0 without the driver): ``nvidia-smi -L``, which
+    lists only a container's own GPUs, else the driver's /proc entries."""
+    path = shutil.which(smi) if smi else None
+    if path is not None:
+        try:
+            out = subprocess.run([path, "-L"], capture_output=True, text=True, timeout=10).stdout
+            return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+        except (OSError, subprocess.SubprocessError):
+            pass
     try:
         return sum(1 for p in proc.iterdir() if p.is_dir())
     except OSError:
-        pass
-    path = shutil.which(smi) if smi else None
-    if path is None:
         return 0
-    try:
-        out = subprocess.run([path, "-L"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
 
 
 def node_gpus(devices: str, environ: Mapping[str, str] = os.environ,
