@@ -84,10 +84,13 @@ def loop(worker, seconds: float) -> dict:
     sync(dev)
     last = time.time()
     marks.append((last, steps))
+    params = getattr(worker, "_params", None)  # lsgd's adapter of the model (a diagnostic)
     return {"steps": steps, "first": first, "last": last, "batch": batch, "marks": marks,
             "in_lsgd_s": in_lsgd, "params": sum(p.numel() for p in model.parameters()),
             "device": torch.cuda.get_device_name(dev) if cuda else "cpu",
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "node_memory_page_locked": getattr(params, "pinned", None),
+            "pulls_on_gpu": getattr(params, "pulls_on_device", None),
             "max_allocated_mib": torch.cuda.max_memory_allocated(dev) / 2**20 if cuda else None,
             "max_reserved_mib": torch.cuda.max_memory_reserved(dev) / 2**20 if cuda else None,
             "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}

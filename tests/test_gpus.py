@@ -101,6 +101,39 @@ def test_each_worker_process_sees_its_gpu_and_a_respawned_one_the_same(cluster, 
     assert "workers on GPUs 5, 7, 5 (local worker i on GPU i mod 2" in node.output
 
 
+@pytest.mark.parametrize("strength", [0.0, 0.1, 0.37, 1.0])
+def test_a_pull_on_the_device_is_the_slots_pull_bit_for_bit(monkeypatch, strength):
+    """DevicePull's arithmetic, run here on CPU tensors over an unregistered region: the same
+    float32 results as ops.pull_toward_ on the slot, the statistics tail untouched."""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from lsgd.rules import ops
+    from lsgd.worker import torch_pinned
+
+    monkeypatch.setattr(torch_pinned, "CHUNK", 7)  # tensors span several uploads
+    rng = np.random.default_rng(0)
+    shapes, stats = [(5, 4), (3,), (2, 9)], 6
+    tensors = [torch.tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes]
+    tensors.append(torch.tensor(rng.standard_normal(stats).astype(np.float32)))
+    spans, pos = [], 0
+    for t in tensors:
+        spans.append((pos, t.numel()))
+        pos += t.numel()
+    count = pos - stats
+    memory = np.zeros(4 * pos + 64, np.uint8)  # like the node segment: a target somewhere in it
+    region = torch_pinned.PinnedRegion(memory, torch.device("cpu"), register=False)
+    target = memory[64:].view(np.float32)
+    target[:] = rng.standard_normal(pos).astype(np.float32)
+    slot = np.concatenate([t.reshape(-1).numpy() for t in tensors])
+    want = ops.pull_toward_(slot[:count], target[:count], strength)
+    got = torch_pinned.DevicePull(tensors, spans)(region.view(target), strength, count)
+    assert np.array_equal(np.concatenate([t.reshape(-1).numpy() for t in tensors]), slot)
+    assert got == pytest.approx(want, rel=1e-6)
+    assert region.view(np.zeros(3, np.float32)) is None  # outside the region: not a view
+    assert region.view(target[1:]) is not None
+
+
 # ---------------------------------------------------------------- on a CUDA device only
 def _cuda():
     torch = pytest.importorskip("torch")
@@ -135,8 +168,10 @@ def test_a_page_locked_slot_is_copied_straight_and_exactly():
 
     model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.BatchNorm1d(512)).cuda()
     p = as_params(model, buffers="average")
-    slot, other = np.empty(p.param_count, np.float32), np.empty(p.param_count, np.float32)
-    assert p.pin(slot) and not p.pin(slot)  # once
+    memory = np.zeros(8 * p.param_count, np.uint8)  # two vectors, like a node segment
+    slot = memory[: 4 * p.param_count].view(np.float32)
+    other = np.empty(p.param_count, np.float32)
+    assert p.pin(memory) and not p.pin(memory)  # once
     assert p._direct(slot) is not None and p._direct(other) is None
     p.read_into(slot)
     ref = torch.cat([t.detach().reshape(-1) for t in p.tensors]).cpu().numpy()
@@ -152,3 +187,38 @@ def test_a_page_locked_slot_is_copied_straight_and_exactly():
     assert p._direct(slot) is None
     p.read_into(slot)
     assert (slot == -1.5).all()
+
+
+def test_a_pull_on_the_gpu_matches_the_pull_in_the_slot():
+    torch = _cuda()
+    import numpy as np
+
+    from lsgd.rules import ops
+    from lsgd.worker.adapters import as_params
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.BatchNorm1d(2048)).cuda()
+    p = as_params(model, buffers="average")
+    n = p.param_count - p.stats_count
+    memory = np.zeros(8 * p.param_count, np.uint8)
+    slot = memory[: 4 * p.param_count].view(np.float32)
+    leader = memory[4 * p.param_count :].view(np.float32)
+    leader[:] = np.random.default_rng(1).standard_normal(p.param_count).astype(np.float32)
+    assert p.pin(memory) and p.can_pull(leader)
+    assert not p.can_pull(np.zeros(p.param_count, np.float32))  # not page-locked
+    p.read_into(slot)
+    want = slot.copy()
+    want_d = ops.pull_toward_(want[:n], leader[:n], 0.3)
+    got_d = p.pull_toward(leader, 0.3, n)
+    p.read_into(slot)
+    assert np.array_equal(slot, want)  # bit for bit; the statistics tail untouched
+    assert got_d == pytest.approx(want_d, rel=1e-5)
+    assert p.pull_toward(leader, 1.0, n) == pytest.approx(np.linalg.norm(slot[:n] - leader[:n]), rel=1e-5)
+    p.read_into(slot)
+    assert np.array_equal(slot[:n], leader[:n])
+    half = as_params(torch.nn.Linear(8, 8).cuda().half())  # not float32: pulled in the slot
+    region = np.zeros(4 * half.param_count, np.uint8)
+    half.pin(region)
+    assert not half.can_pull(region.view(np.float32))
+    p.unpin()
+    half.unpin()

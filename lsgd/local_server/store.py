@@ -241,6 +241,13 @@ class NodeStore:
         """A named vector (``local_leader``, ``global_leader``, ``center``, ``sum``)."""
         return self._view(name, self.layout.offset_of(name))
 
+    def memory(self) -> np.ndarray:
+        """The whole segment as bytes (a GPU worker page-locks it: ``torch_pinned.py``)."""
+        v = self._views.get("memory")
+        if v is None:
+            v = self._views["memory"] = np.ndarray((self.layout.size,), np.uint8, self._shm.buf)
+        return v
+
     def close(self, unlink: bool = False) -> None:
         """Drop the views and detach; the creator also unlinks when ``unlink``."""
         self._views.clear()

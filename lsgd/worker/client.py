@@ -178,8 +178,8 @@ class Worker:
                 self._state.load()
             else:  # created lazily (PyTorch optimizers): load it after the first step
                 self._load_state_later = True
-        if (pin := getattr(self._params, "pin", None)) is not None:  # a GPU model: DMA to the slot
-            pin(self._store.slot(self.local_index))
+        if (pin := getattr(self._params, "pin", None)) is not None:  # a GPU model (torch_pinned.py)
+            pin(self._store.memory())
         if setup.from_slot:  # respawned, resumed, or joining a running job: continue from there
             self._params.write_from(self._store.slot(self.local_index))
         else:
@@ -374,14 +374,16 @@ class Worker:
                 self._send(m.Done(self.local_index, msg.round_id, {}))
                 return True
             if isinstance(msg, m.Pull):
-                distances = {}
-                n = self._pulled
-                for name, strength in msg.pulls:
-                    distances[name] = ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
                 pulled = any(s > 0 for _, s in msg.pulls)
-                if pulled or msg.stats_averaged:
-                    self._params.write_from(slot)
-                    self._wrote(slot)
+                distances = self._pull_on_device(slot, msg, pulled)
+                if distances is None:  # in the slot, on the CPU, then into the model
+                    distances = {}
+                    n = self._pulled
+                    for name, strength in msg.pulls:
+                        distances[name] = ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
+                    if pulled or msg.stats_averaged:
+                        self._params.write_from(slot)
+                        self._wrote(slot)
                 if msg.reset_window:  # every candidate of the next round starts afresh
                     self._window.reset()
                 if msg.checkpoint and self._state is not None:
@@ -395,6 +397,24 @@ class Worker:
             if isinstance(msg, m.Stop):
                 return False
             raise RuntimeError(f"unexpected message in round {call.round_id}: {msg!r}")
+
+    def _pull_on_device(self, slot: np.ndarray, msg: m.Pull, pulled: bool) -> dict[str, float] | None:
+        """A GPU model's pulls, on its GPU (``torch_params.pull_toward``), leaving the slot as a
+        pull in the slot would: the pulled model with the round's statistics. None where the
+        adapter cannot (a CPU model, another adapter): the caller pulls in the slot."""
+        assert self._store is not None and self._params is not None
+        can = getattr(self._params, "can_pull", None)
+        targets = [(name, self._store.buffer(name), s) for name, s in msg.pulls]
+        if can is None or not all(can(t) for _, t, _ in targets):
+            return None
+        if msg.stats_averaged:  # the node set the slot's statistics tail: into the model first
+            self._params.write_from(slot)  # (its parameters are the model's, read this round)
+        distances = {name: self._params.pull_toward(t, s, self._pulled) for name, t, s in targets}
+        if pulled:
+            self._params.read_into(slot)
+        if pulled or msg.stats_averaged:
+            self._wrote(slot)
+        return distances
 
     def _exchange(self, action: int) -> bool:
         """An asynchronous rule's exchange: publish, let the local server run it, take the

@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .torch_pinned import DevicePull, PinnedRegion
+
 log = logging.getLogger(__name__)
 
 
@@ -73,7 +75,8 @@ class TorchParams:
         self.stats_count = sum(t.numel() for t in stats)
         self.average_stats = buffers == "average" and self.stats_count > 0
         self._host: torch.Tensor | None = None
-        self._slot: tuple[int, int, torch.Tensor] | None = None  # pin(): (address, size, view)
+        self._pinned: PinnedRegion | None = None  # pin()
+        self._device_pull: DevicePull | None = None
         if self.device.type == "cuda":  # pinned through the model's GPU, not cuda:0's context
             with torch.cuda.device(self.device):
                 self._host = torch.empty(pos, dtype=torch.float32, pin_memory=True)
@@ -106,37 +109,56 @@ class TorchParams:
     def _sync(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
 
-    def pin(self, slot: np.ndarray) -> bool:
-        """Page-lock the worker's shared-memory slot for the GPU (``cudaHostRegister``), so
-        that rounds copy straight between the model and the slot, with no pinned buffer and no
-        host-side copy between them. Until ``unpin()``, the slot's memory must stay mapped (the
-        worker unpins before it detaches). False, and the pinned buffer still used, for a CPU
-        model or where CUDA refuses."""
-        if self._host is None or self._slot is not None:
+    def pin(self, region: np.ndarray, register: bool = True) -> bool:
+        """Page-lock ``region`` (the node segment: the worker's slot and the node's buffers)
+        for the model's GPU: rounds then copy straight between the model and the slot, and
+        pull on the GPU (``torch_pinned.py``). The memory must stay mapped until ``unpin()``.
+        False, and the pinned buffer and host pulls used, for a CPU model or where CUDA
+        refuses. ``register=False``: the views alone, without CUDA (tests)."""
+        if self._host is None or self._pinned is not None:
             return False
-        ptr = slot.ctypes.data
-        with torch.cuda.device(self.device):
-            err = int(torch.cuda.cudart().cudaHostRegister(ptr, slot.nbytes, 0))
-        if err != 0:
-            log.info("slot not page-locked (cudaError %d): rounds copy through the pinned "
-                     "buffer", err)
+        try:
+            self._pinned = PinnedRegion(region, self.device, register)
+        except OSError as exc:
+            log.info("node memory not page-locked (%s): rounds copy through the pinned buffer "
+                     "and pull on the CPU", exc)
             return False
-        self._slot = (ptr, slot.size, torch.from_numpy(slot))
+        if DevicePull.fits(self.tensors):
+            self._device_pull = DevicePull(self.tensors, self.spans)
         return True
+
+    @property
+    def pinned(self) -> bool:
+        """Whether ``pin()`` page-locked the node memory."""
+        return self._pinned is not None and self._pinned.registered
+
+    @property
+    def pulls_on_device(self) -> bool:
+        """Whether pulls toward page-locked vectors run on the GPU."""
+        return self._device_pull is not None
 
     def unpin(self) -> None:
         """Undo ``pin()`` (safe to call twice)."""
-        if self._slot is not None:
-            ptr, _, _ = self._slot
-            self._slot = None
-            with torch.cuda.device(self.device):
-                torch.cuda.cudart().cudaHostUnregister(ptr)
+        pinned, self._pinned, self._device_pull = self._pinned, None, None
+        if pinned is not None:
+            pinned.close()
 
     def _direct(self, flat: np.ndarray) -> torch.Tensor | None:
-        """The page-locked slot as a tensor when ``flat`` is it, else None."""
-        if self._slot is not None and flat.ctypes.data == self._slot[0] and flat.size == self._slot[1]:
-            return self._slot[2]
-        return None
+        """``flat`` as a tensor over page-locked memory, when it lies there; else None."""
+        return self._pinned.view(flat) if self._pinned is not None else None
+
+    def can_pull(self, target: np.ndarray) -> bool:
+        """Whether ``pull_toward(target, ...)`` runs on the GPU: a float32 model whose tensors
+        are contiguous, and a target in page-locked memory."""
+        return self._device_pull is not None and self._direct(target) is not None
+
+    def pull_toward(self, target: np.ndarray, strength: float, count: int) -> float:
+        """Pull the model's first ``count`` entries toward ``target`` on its GPU, in place
+        (``ops.pull_toward_``'s arithmetic); the distance before. Only where ``can_pull``."""
+        assert self._device_pull is not None
+        src = self._direct(target)
+        assert src is not None, "pull_toward needs a target in page-locked memory (can_pull)"
+        return self._device_pull(src, strength, count)
 
     @torch.no_grad()
     def read_into(self, flat: np.ndarray) -> None:
