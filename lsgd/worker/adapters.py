@@ -10,6 +10,10 @@ entries are running statistics (PyTorch batch-norm buffers), which are never pul
 travel with the parameters, so an evaluated leader, average or center carries statistics of its
 own; with ``average_stats`` they are also set to their mean over each round's participants on
 the node. Integer tensors (counters) never enter the vector.
+
+An adapter may do more of a round itself: the PyTorch adapter of a GPU model page-locks the
+node's shared memory (``pin`` / ``unpin``) and pulls the model on its GPU (``can_pull`` /
+``pull_toward``, ``torch_pinned.py``); the worker uses these where they exist.
 """
 
 from __future__ import annotations
