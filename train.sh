@@ -64,7 +64,7 @@ plane="${PLANE:-star}"              # leader/sums between nodes: star (via node 
 data_host="${DATA_HOST:-}"          # PLANE=chain: this node's address for the others (empty: auto)
 data_port="${DATA_PORT:-0}"         # PLANE=chain: this node's data port (0: any free port)
 devices="${DEVICES:-}"              # GPUs: local worker i on GPU i mod n of this list, e.g. 0,1
-                                    #   (empty: every GPU of the node; all: no mapping)
+                                    #   (empty: the GPUs the node sees; all: no mapping)
 # --- security (see README "Security"; `python -m lsgd certs` creates the files) ------------
 secret_file="${SECRET_FILE:-}"      # job secret (or set LSGD_SECRET); needed beyond loopback
 tls_ca="${TLS_CA:-}"                # CA certificate: TLS on every channel

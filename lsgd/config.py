@@ -83,8 +83,9 @@ class JobConfig:
                         "free port; set one to open it in a firewall)")
     devices: str | None = _f(None, "GPUs of this node's worker processes: local worker i sees "
                              "entry i mod n of this comma-separated list as its one GPU "
-                             "(CUDA_VISIBLE_DEVICES), e.g. 0,1; empty: every GPU of the node; "
-                             "all: every worker sees every GPU")
+                             "(CUDA_VISIBLE_DEVICES), e.g. 0,1, an index counting the GPUs "
+                             "the node sees; empty: the node's CUDA_VISIBLE_DEVICES, else "
+                             "every GPU of the machine; all: every worker sees every GPU")
     secret_file: str | None = _f(None, "file holding the job secret (or set LSGD_SECRET); needed "
                                  "when node 0 listens beyond loopback")
     tls_ca: str | None = _f(None, "CA certificate that signed node 0's certificate: TLS on every node")

@@ -25,7 +25,8 @@ def test_worker_i_gets_gpu_i_mod_n_and_the_evaluator_worker_0s():
 
 def test_devices_overrides_then_the_nodes_own_visible_list_then_every_gpu():
     env = {"CUDA_VISIBLE_DEVICES": "4,6"}
-    assert gpus.node_gpus("2,2,3", env, count=8) == ["2", "2", "3"]  # DEVICES first
+    assert gpus.node_gpus("1,1,0", env, count=8) == ["6", "6", "4"]  # DEVICES first, counted
+    assert gpus.node_gpus("2,3", {}, count=8) == ["2", "3"]  # in what the node sees
     assert gpus.node_gpus("", env, count=8) == ["4", "6"]  # a scheduler's allocation
     assert gpus.node_gpus("", {"CUDA_VISIBLE_DEVICES": "GPU-ab12, GPU-cd34"}, 8) == \
         ["GPU-ab12", "GPU-cd34"]
@@ -74,17 +75,21 @@ def test_a_bad_devices_knob_is_one_line_and_exit_2(tmp_path):
 
 
 RECORD = '''
-import json, os
+import json, os, signal
 import numpy as np
 import lsgd
 
 def main():
-    x = np.zeros(10, np.float32)
-    worker = lsgd.connect([x])
-    with open(os.path.join(os.environ["SEEN_DIR"], f"{worker.worker_id}.json"), "w") as f:
+    worker = lsgd.connect()
+    who = "evaluator" if worker.is_evaluator else f"{worker.worker_id}-{worker.restarts}"
+    with open(os.path.join(os.environ["SEEN_DIR"], who + ".json"), "w") as f:
         json.dump(os.environ.get("CUDA_VISIBLE_DEVICES"), f)
+    x = np.zeros(10, np.float32)
+    worker.register([x], evaluate=lambda: {"accuracy": 1.0})
     while worker.step(1.0):
         x += 1
+        if worker.worker_id == 1 and not worker.restarts and worker.iterations == 50:
+            os.kill(os.getpid(), signal.SIGKILL)  # started again, on the GPU it had
 '''
 
 
@@ -93,45 +98,115 @@ def test_each_worker_process_sees_its_gpu_and_a_respawned_one_the_same(cluster, 
     (tmp_path / "seenjob.py").write_text(RECORD)
     seen = tmp_path / "seen"
     seen.mkdir()
-    node = cluster(0, PORT=0, WORKERS=3, ITERATIONS=600, DEVICES="5,7", ENTRY="seenjob:main",
-                   SEEN_DIR=seen, PYTHONPATH=tmp_path, LOG_LEVEL="INFO")
+    node = cluster(0, PORT=0, WORKERS=3, ITERATIONS=1500, EVAL_EVERY=500, DEVICES="5,7",
+                   ENTRY="seenjob:main", SEEN_DIR=seen, PYTHONPATH=tmp_path, LOG_LEVEL="INFO")
     assert node.wait(60) == 0, node.output
-    got = {int(p.stem): json.loads(p.read_text()) for p in seen.glob("*.json")}
-    assert got == {0: "5", 1: "7", 2: "5"}
+    got = {p.stem: json.loads(p.read_text()) for p in seen.glob("*.json")}
+    assert got == {"0-0": "5", "1-0": "7", "2-0": "5", "1-1": "7", "evaluator": "5"}, got
     assert "workers on GPUs 5, 7, 5 (local worker i on GPU i mod 2" in node.output
 
 
-@pytest.mark.parametrize("strength", [0.0, 0.1, 0.37, 1.0])
-def test_a_pull_on_the_device_is_the_slots_pull_bit_for_bit(monkeypatch, strength):
-    """DevicePull's arithmetic, run here on CPU tensors over an unregistered region: the same
-    float32 results as ops.pull_toward_ on the slot, the statistics tail untouched."""
+def test_devices_indices_count_the_gpus_the_node_sees():
+    env = {"CUDA_VISIBLE_DEVICES": "4,5"}
+    assert gpus.node_gpus("1,0,1", env) == ["5", "4", "5"]
+    assert gpus.node_gpus("GPU-ab12,0", env) == ["GPU-ab12", "4"]
+    assert gpus.check("1", env) is None
+    assert "it sees 2 (CUDA_VISIBLE_DEVICES=4,5): use 0..1" in gpus.check("0,2", env)
+    assert "sees no GPU" in gpus.check("0", {"CUDA_VISIBLE_DEVICES": ""})
+    assert gpus.check("3", {}) is None  # no list: the machine's own indices
+
+
+def test_a_hung_nvidia_smi_does_not_hold_the_node(tmp_path):
+    import time
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexec sleep 60\n")
+    smi.chmod(0o755)
+    t = time.monotonic()
+    assert gpus.machine_gpus(tmp_path / "missing", smi=str(smi), timeout=0.5) == 0
+    assert time.monotonic() - t < 5
+
+
+class _Inbox:
+    def put(self, msg: object) -> None:
+        pass
+
+
+def _worker_with(model, region=None):
+    """A Worker holding ``model`` over a real node segment (one slot, two buffers)."""
+    from lsgd.config import JobConfig
+    from lsgd.local_server.store import NodeStore, StoreLayout
+    from lsgd.worker.adapters import as_params
+    from lsgd.worker.client import Worker, WorkerContext
+
+    w = Worker(WorkerContext(JobConfig(), 0, _Inbox(), None, 0, None))
+    w._params = as_params(model, buffers="average")
+    layout = StoreLayout.new("tgpus", 0, w._params.param_count, 1, ("local_leader", "global_leader"))
+    store = NodeStore.create(layout)
+    w._store, w._pulled = store, w._params.param_count - w._params.stats_count
+    if region:  # the GPU path's views and arithmetic, here on CPU tensors
+        assert w._params.pin(store.memory(), register=False)
+    return w, store
+
+
+@pytest.mark.parametrize("pulls, stats", [
+    ((("local_leader", 0.3), ("global_leader", 0.1)), True),
+    ((("local_leader", 0.3),), False),
+    ((("local_leader", 0.0),), True),  # no pull, the statistics averaged: still into the model
+    ((("global_leader", 1.0),), False),
+    ((), False),
+])
+def test_pulls_on_the_model_leave_model_and_slot_as_pulls_in_the_slot_do(pulls, stats):
+    """Worker._apply_pulls on both paths: the model, the slot and the distances agree."""
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    from lsgd.rules import ops
-    from lsgd.worker import torch_pinned
+    from lsgd.local_server import messages as m
 
-    monkeypatch.setattr(torch_pinned, "CHUNK", 7)  # tensors span several uploads
-    rng = np.random.default_rng(0)
-    shapes, stats = [(5, 4), (3,), (2, 9)], 6
-    tensors = [torch.tensor(rng.standard_normal(s).astype(np.float32)) for s in shapes]
-    tensors.append(torch.tensor(rng.standard_normal(stats).astype(np.float32)))
-    spans, pos = [], 0
-    for t in tensors:
-        spans.append((pos, t.numel()))
-        pos += t.numel()
-    count = pos - stats
-    memory = np.zeros(4 * pos + 64, np.uint8)  # like the node segment: a target somewhere in it
-    region = torch_pinned.PinnedRegion(memory, torch.device("cpu"), register=False)
-    target = memory[64:].view(np.float32)
-    target[:] = rng.standard_normal(pos).astype(np.float32)
-    slot = np.concatenate([t.reshape(-1).numpy() for t in tensors])
-    want = ops.pull_toward_(slot[:count], target[:count], strength)
-    got = torch_pinned.DevicePull(tensors, spans)(region.view(target), strength, count)
-    assert np.array_equal(np.concatenate([t.reshape(-1).numpy() for t in tensors]), slot)
-    assert got == pytest.approx(want, rel=1e-6)
-    assert region.view(np.zeros(3, np.float32)) is None  # outside the region: not a view
-    assert region.view(target[1:]) is not None
+    results = []
+    for on_model in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.BatchNorm1d(5))
+        w, store = _worker_with(model, region=on_model)
+        try:
+            rng = np.random.default_rng(1)
+            for name in ("local_leader", "global_leader"):
+                store.buffer(name)[:] = rng.standard_normal(w._params.param_count)
+            slot = store.slot(0)
+            w._params.read_into(slot)
+            if stats:  # the node set the statistics tail to the participants' mean
+                slot[w._pulled:] = np.arange(w._params.stats_count, dtype=np.float32)
+            assert w._params.can_pull(store.buffer("local_leader")) is on_model
+            d = w._apply_pulls(slot, m.Pull(1, tuple(pulls), True, stats_averaged=stats))
+            model_now = torch.cat([t.detach().reshape(-1) for t in w._params.tensors]).numpy()
+            results.append((d, slot.copy(), model_now.copy()))
+        finally:
+            w._params.unpin()
+            store.close(unlink=True)
+    (d0, slot0, model0), (d1, slot1, model1) = results
+    assert np.array_equal(slot0, slot1) and np.array_equal(model0, model1)
+    assert np.array_equal(slot1, model1)  # the slot holds the model
+    assert d0.keys() == d1.keys() and all(d1[k] == pytest.approx(d0[k], rel=1e-6) for k in d0)
+
+
+def test_a_model_whose_storage_changed_after_pin_is_pulled_where_it_now_lives():
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(2, 3, 3), torch.nn.Conv2d(3, 2, 1))
+    w, store = _worker_with(model, region=True)
+    try:
+        model.to(memory_format=torch.channels_last)  # same Parameter objects, new storage
+        target = store.buffer("local_leader")
+        target[:] = 0.5
+        assert not w._params.can_pull(target)  # not contiguous now: pulled in the slot
+        model.to(memory_format=torch.contiguous_format)
+        assert w._params.can_pull(target)
+        w._params.pull_toward(target, 1.0, w._pulled)
+        assert all(bool((t == 0.5).all()) for t in w._params.tensors)
+    finally:
+        w._params.unpin()
+        store.close(unlink=True)
 
 
 # ---------------------------------------------------------------- on a CUDA device only
@@ -222,3 +297,24 @@ def test_a_pull_on_the_gpu_matches_the_pull_in_the_slot():
     assert not half.can_pull(region.view(np.float32))
     p.unpin()
     half.unpin()
+
+
+def test_a_refused_page_lock_leaves_cuda_usable():
+    """CUDA refuses a second registration of the same memory; the worker goes on through the
+    pinned buffer, and the refusal must not surface at the next kernel."""
+    torch = _cuda()
+    import numpy as np
+
+    from lsgd.worker.adapters import as_params
+
+    memory = np.zeros(1 << 20, np.uint8)
+    first = as_params(torch.nn.Linear(16, 16).cuda())
+    second = as_params(torch.nn.Linear(16, 16).cuda())
+    assert first.pin(memory)
+    assert not second.pin(memory)  # already registered
+    x = torch.randn(64, 64, device="cuda") @ torch.randn(64, 64, device="cuda")
+    assert bool(torch.isfinite(x).all())
+    slot = memory[: 4 * second.param_count].view(np.float32)
+    second.read_into(slot)  # through its pinned buffer
+    assert np.array_equal(slot, torch.cat([t.detach().reshape(-1) for t in second.tensors]).cpu().numpy())
+    first.unpin()

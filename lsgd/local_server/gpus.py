@@ -5,8 +5,9 @@ user's code keeps saying ``cuda`` (``--device cuda``, ``model.cuda()``) and land
 GPU, with any framework. The evaluator shares local worker 0's GPU. A respawned worker gets the
 GPU it had. The GPUs are, in order:
 
-- ``DEVICES`` when set: a comma-separated list of what ``CUDA_VISIBLE_DEVICES`` takes (indices,
-  ``GPU-…`` or ``MIG-…`` UUIDs); an entry may repeat, ``0,0,1,1`` puts two workers per GPU;
+- ``DEVICES`` when set: a comma-separated list of GPU indices, or ``GPU-…`` / ``MIG-…`` UUIDs;
+  an index counts the GPUs the node sees (where the node's own ``CUDA_VISIBLE_DEVICES`` is
+  ``4,5``, ``DEVICES=1`` is GPU 5); an entry may repeat, ``0,0,1,1`` puts two workers per GPU;
 - else the node's own ``CUDA_VISIBLE_DEVICES``, when set (a scheduler's allocation);
 - else every NVIDIA GPU the node can use (``nvidia-smi -L``, else ``/proc/driver/nvidia/gpus``).
 
@@ -29,8 +30,9 @@ _ENTRY = re.compile(r"\d{1,4}|(GPU|MIG)-[0-9A-Za-z./-]{1,120}")
 PROC_GPUS = Path("/proc/driver/nvidia/gpus")
 
 
-def check(devices: str) -> str | None:
-    """What is wrong with a ``DEVICES`` value (None: nothing)."""
+def check(devices: str, environ: Mapping[str, str] = os.environ) -> str | None:
+    """What is wrong with a ``DEVICES`` value (None: nothing). Where the node's
+    ``CUDA_VISIBLE_DEVICES`` is set, an index must count one of the GPUs it names."""
     if devices in ("", ALL):
         return None
     entries = devices.split(",")
@@ -40,19 +42,35 @@ def check(devices: str) -> str | None:
         if not _ENTRY.fullmatch(e.strip()):
             return (f"devices entry '{e.strip()[:40]}' is not a GPU: give indices or GPU-/MIG- "
                     f"UUIDs separated by commas, e.g. 0,1 (or 'all', or empty for every GPU)")
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        seen = [v for v in visible.split(",") if v.strip()]
+        for e in entries:
+            if e.strip().isdigit() and int(e) >= len(seen):
+                return (f"devices entry {e.strip()} counts the GPUs this node sees, and it sees "
+                        f"{len(seen)} (CUDA_VISIBLE_DEVICES={visible[:80]}): use 0..{len(seen) - 1}"
+                        if seen else f"devices entry {e.strip()}: this node sees no GPU "
+                        "(CUDA_VISIBLE_DEVICES is empty)")
     return None
 
 
-def machine_gpus(proc: Path = PROC_GPUS, smi: str | None = "nvidia-smi") -> int:
+def machine_gpus(proc: Path = PROC_GPUS, smi: str | None = "nvidia-smi",
+                 timeout: float = 10.0) -> int:
     """How many NVIDIA GPUs this node can use (0 without the driver): ``nvidia-smi -L``, which
     lists only a container's own GPUs, else the driver's /proc entries."""
     path = shutil.which(smi) if smi else None
     if path is not None:
         try:
-            out = subprocess.run([path, "-L"], capture_output=True, text=True, timeout=10).stdout
-            return sum(1 for line in out.splitlines() if line.startswith("GPU "))
-        except (OSError, subprocess.SubprocessError):
-            pass
+            child = subprocess.Popen([path, "-L"], stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            child = None
+        if child is not None:
+            try:
+                out, _ = child.communicate(timeout=timeout)
+                return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+            except subprocess.TimeoutExpired:  # a wedged driver: do not wait on it again
+                child.kill()
     try:
         return sum(1 for p in proc.iterdir() if p.is_dir())
     except OSError:
@@ -64,12 +82,15 @@ def node_gpus(devices: str, environ: Mapping[str, str] = os.environ,
     """The node's GPUs in worker order; None: leave the workers' environment as it is."""
     if devices == ALL:
         return None
-    if devices:
-        return [e.strip() for e in devices.split(",")]
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        entries = [e.strip() for e in visible.split(",") if e.strip()]
-        return entries or None  # set empty: the node sees no GPU
+    seen = [e.strip() for e in visible.split(",") if e.strip()] if visible is not None else None
+    if devices:
+        wanted = [e.strip() for e in devices.split(",")]
+        # an index counts the GPUs this node sees, as cuda:0, cuda:1, ... would
+        return [seen[int(e)] if seen and e.isdigit() and int(e) < len(seen) else e
+                for e in wanted]  # (check() refuses an index past the list at start)
+    if seen is not None:
+        return seen or None  # set empty: the node sees no GPU
     n = machine_gpus() if count is None else count
     return [str(i) for i in range(n)] or None
 

@@ -290,7 +290,10 @@ class Worker:
             self._stopped = True
         if self._store is not None:
             if (unpin := getattr(self._params, "unpin", None)) is not None:
-                unpin()  # before the slot's memory is unmapped
+                try:  # before the segment is unmapped; a broken GPU must not fail a clean end
+                    unpin()
+                except Exception as exc:  # noqa: BLE001 - the process ends anyway
+                    log.warning("could not unpin the node memory: %s", exc)
             self._store.close()
             self._store = None
 
@@ -374,16 +377,7 @@ class Worker:
                 self._send(m.Done(self.local_index, msg.round_id, {}))
                 return True
             if isinstance(msg, m.Pull):
-                pulled = any(s > 0 for _, s in msg.pulls)
-                distances = self._pull_on_device(slot, msg, pulled)
-                if distances is None:  # in the slot, on the CPU, then into the model
-                    distances = {}
-                    n = self._pulled
-                    for name, strength in msg.pulls:
-                        distances[name] = ops.pull_toward_(slot[:n], self._store.buffer(name)[:n], strength)
-                    if pulled or msg.stats_averaged:
-                        self._params.write_from(slot)
-                        self._wrote(slot)
+                distances = self._apply_pulls(slot, msg)
                 if msg.reset_window:  # every candidate of the next round starts afresh
                     self._window.reset()
                 if msg.checkpoint and self._state is not None:
@@ -398,20 +392,27 @@ class Worker:
                 return False
             raise RuntimeError(f"unexpected message in round {call.round_id}: {msg!r}")
 
-    def _pull_on_device(self, slot: np.ndarray, msg: m.Pull, pulled: bool) -> dict[str, float] | None:
-        """A GPU model's pulls, on its GPU (``torch_params.pull_toward``), leaving the slot as a
-        pull in the slot would: the pulled model with the round's statistics. None where the
-        adapter cannot (a CPU model, another adapter): the caller pulls in the slot."""
+    def _apply_pulls(self, slot: np.ndarray, msg: m.Pull) -> dict[str, float]:
+        """The round's pulls, in order; the distance to each target before its pull. They run
+        in the slot, on the CPU, and the slot goes into the model; or, for a GPU model whose
+        adapter can (``torch_params.pull_toward``), on the model, and the model goes into the
+        slot. Either way the model and the slot end as the pulled model with the round's
+        statistics."""
         assert self._store is not None and self._params is not None
-        can = getattr(self._params, "can_pull", None)
+        pulled = any(s > 0 for _, s in msg.pulls)
+        n = self._pulled
         targets = [(name, self._store.buffer(name), s) for name, s in msg.pulls]
-        if can is None or not all(can(t) for _, t, _ in targets):
-            return None
-        if msg.stats_averaged:  # the node set the slot's statistics tail: into the model first
-            self._params.write_from(slot)  # (its parameters are the model's, read this round)
-        distances = {name: self._params.pull_toward(t, s, self._pulled) for name, t, s in targets}
-        if pulled:
-            self._params.read_into(slot)
+        can = getattr(self._params, "can_pull", None)
+        if can is not None and all(can(t) for _, t, _ in targets):
+            if msg.stats_averaged:  # the node set the slot's statistics: into the model first
+                self._params.write_from(slot)  # (its parameters are the model's, read this round)
+            distances = {name: self._params.pull_toward(t, s, n) for name, t, s in targets}
+            if pulled:
+                self._params.read_into(slot)
+        else:
+            distances = {name: ops.pull_toward_(slot[:n], t[:n], s) for name, t, s in targets}
+            if pulled or msg.stats_averaged:
+                self._params.write_from(slot)
         if pulled or msg.stats_averaged:
             self._wrote(slot)
         return distances

@@ -1,9 +1,11 @@
 """PyTorch adapter (``pip install 'lsgd[torch]'``): an ``nn.Module`` or a list of tensors.
 
 CPU tensors are copied straight between the model and the worker's shared-memory slot. CUDA
-tensors are copied only at rounds, through one pinned host buffer allocated at registration and
-reused: device -> pinned buffer (asynchronous copies, one synchronisation) -> slot, and back.
-Training steps never touch the host.
+tensors are copied only at rounds, straight between the GPU and the slot: the worker page-locks
+the node segment at registration (``pin``: asynchronous copies, one synchronisation), and a
+float32 model is pulled on its GPU (``pull_toward``, ``torch_pinned.py``). Without that (CUDA
+refused, the evaluator, a vector elsewhere) the copies go through one pinned host buffer
+allocated at registration and reused. Training steps never touch the host.
 
 Batch-norm running statistics (a module's floating-point buffers) are the vector's tail: never
 pulled, but carried into the leader / average / center buffers, so that evaluating one of them
@@ -114,8 +116,8 @@ class TorchParams:
         for the model's GPU: rounds then copy straight between the model and the slot, and
         pull on the GPU (``torch_pinned.py``). The memory must stay mapped until ``unpin()``.
         False, and the pinned buffer and host pulls used, for a CPU model or where CUDA
-        refuses. ``register=False``: the views alone, without CUDA (tests)."""
-        if self._host is None or self._pinned is not None:
+        refuses. ``register=False``: the views alone, without CUDA (tests, on CPU tensors)."""
+        if self._pinned is not None or (self._host is None and register):
             return False
         try:
             self._pinned = PinnedRegion(region, self.device, register)
@@ -123,8 +125,7 @@ class TorchParams:
             log.info("node memory not page-locked (%s): rounds copy through the pinned buffer "
                      "and pull on the CPU", exc)
             return False
-        if DevicePull.fits(self.tensors):
-            self._device_pull = DevicePull(self.tensors, self.spans)
+        self._device_pull = DevicePull(self.tensors, self.spans)
         return True
 
     @property
@@ -134,8 +135,8 @@ class TorchParams:
 
     @property
     def pulls_on_device(self) -> bool:
-        """Whether pulls toward page-locked vectors run on the GPU."""
-        return self._device_pull is not None
+        """Whether pulls toward page-locked vectors run on the GPU (now)."""
+        return self._device_pull is not None and self._device_pull.fits()
 
     def unpin(self) -> None:
         """Undo ``pin()`` (safe to call twice)."""
@@ -150,7 +151,7 @@ class TorchParams:
     def can_pull(self, target: np.ndarray) -> bool:
         """Whether ``pull_toward(target, ...)`` runs on the GPU: a float32 model whose tensors
         are contiguous, and a target in page-locked memory."""
-        return self._device_pull is not None and self._direct(target) is not None
+        return self.pulls_on_device and self._direct(target) is not None
 
     def pull_toward(self, target: np.ndarray, strength: float, count: int) -> float:
         """Pull the model's first ``count`` entries toward ``target`` on its GPU, in place

@@ -31,8 +31,9 @@ class PinnedRegion:
         if register:
             with torch.cuda.device(device):
                 err = int(torch.cuda.cudart().cudaHostRegister(self.base, self.nbytes, 0))
-            if err != 0:
-                raise OSError(f"cudaHostRegister failed with cudaError {err}")
+                if err != 0:
+                    _clear_last_error()
+                    raise OSError(f"cudaHostRegister failed with cudaError {err}")
             self.registered = True
         self._words = torch.from_numpy(region.reshape(-1).view(np.float32))
 
@@ -53,35 +54,51 @@ class PinnedRegion:
                 torch.cuda.cudart().cudaHostUnregister(self.base)
 
 
+def _clear_last_error() -> None:
+    """A failed runtime call leaves CUDA's last error set in this thread, and PyTorch reads it
+    after its next kernel launch, which would then fail for nothing. A throwaway launch takes
+    it, and the error it raises is that stale one."""
+    for _ in range(2):
+        try:
+            torch.ones(1, device="cuda").add_(1)
+            return
+        except RuntimeError:
+            continue
+
+
 class DevicePull:
-    """Pulls of a model's float32 tensors toward vectors in page-locked memory, on their device."""
+    """Pulls of a model's tensors toward vectors in page-locked memory, on their device."""
 
     def __init__(self, tensors: list[torch.Tensor], spans: list[tuple[int, int]]) -> None:
-        self.flat = [t.view(-1) for t in tensors]  # contiguous float32: checked by the caller
+        self.tensors = tensors  # viewed at each pull: ``module.to(...)`` may swap their storage
         self.spans = spans
         self._upload: torch.Tensor | None = None  # device scratch, allocated at the first pull
         self._diff: torch.Tensor | None = None
 
-    @staticmethod
-    def fits(tensors: list[torch.Tensor]) -> bool:
-        return all(t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+    def fits(self) -> bool:
+        """Whether the tensors can be pulled in place here: float32 and contiguous, on one
+        device (checked at each round, for the same reason)."""
+        device = self.tensors[0].device
+        return all(t.dtype == torch.float32 and t.is_contiguous() and t.device == device
+                   for t in self.tensors)
 
     @torch.no_grad()
     def __call__(self, target: torch.Tensor, strength: float, count: int) -> float:
         """``x <- x - strength * (x - target)`` over the first ``count`` entries; the distance
-        ``||x - target||`` before, as ``ops.pull_toward_`` returns it."""
+        ``||x - target||`` before, as ``ops.pull_toward_`` returns it. Only where ``fits()``."""
         if not 0.0 <= strength <= 1.0:
             raise ValueError(f"pulling strength must be in [0, 1], got {strength}")
-        if self._upload is None:
+        device = self.tensors[0].device
+        if self._upload is None or self._upload.device != device:
             size = min(CHUNK, max(n for _, n in self.spans))
-            self._upload = torch.empty(size, dtype=torch.float32, device=self.flat[0].device)
+            self._upload = torch.empty(size, dtype=torch.float32, device=device)
             self._diff = torch.empty_like(self._upload)
         s = float(np.float32(strength))
-        total = torch.zeros((), dtype=torch.float64, device=self._upload.device)
-        for (pos, size), x in zip(self.spans, self.flat):
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for (pos, size), t in zip(self.spans, self.tensors):
             if pos >= count:
                 break
-            n = min(size, count - pos)
+            x, n = t.view(-1), min(size, count - pos)
             for lo in range(0, n, CHUNK):
                 k = min(CHUNK, n - lo)
                 up, d, xs = self._upload[:k], self._diff[:k], x[lo : lo + k]
