@@ -61,6 +61,7 @@ run_dir="${RUN_DIR:-runs/lsgd}"     # outputs: RUN_DIR/node<i>/{metrics.csv,summ
 job_id="${JOB_ID:-lsgd}"            # job name, the same on every node
 wire="${WIRE:-float32}"              # parameter encoding between nodes: float32 | bfloat16
 plane="${PLANE:-star}"              # leader/sums between nodes: star (via node 0) | chain (node to node)
+plane_fanout="${PLANE_FANOUT:-1}"   # PLANE=chain: chains a leader broadcast is cut into (1: one)
 data_host="${DATA_HOST:-}"          # PLANE=chain: this node's address for the others (empty: auto)
 data_port="${DATA_PORT:-0}"         # PLANE=chain: this node's data port (0: any free port)
 devices="${DEVICES:-}"              # GPUs: local worker i on GPU i mod n of this list, e.g. 0,1
@@ -106,7 +107,7 @@ exec "$PYTHON" -m lsgd train \
     --respawn "$respawn" --state-every "$state_every" \
     --reconnect-timeout "$reconnect_timeout" --round-timeout "$round_timeout" --node-timeout "$node_timeout" \
     --join-timeout "$join_timeout" --connect-timeout "$connect_timeout" --wire "$wire" \
-    --plane "$plane" --data-host "$data_host" --data-port "$data_port" \
+    --plane "$plane" --plane-fanout "$plane_fanout" --data-host "$data_host" --data-port "$data_port" \
     --devices "$devices" \
     --secret-file "$secret_file" --tls-ca "$tls_ca" --tls-cert "$tls_cert" --tls-key "$tls_key" \
     --mtls "$mtls" --allow-insecure "$allow_insecure" --status-port "$status_port" \

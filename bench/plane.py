@@ -22,7 +22,7 @@ still. The target (issue 15): the chain broadcast within 1.5x of one transfer fo
 Needs root and iproute2; ``--quick``: N = 4 and 8, 10 MB. Each row records the load average
 before it and the share of the host's CPU its processes used.
 
-    python -m bench.plane [--quick] [--rate 100mbit] [--size-mb 25] [--nodes 4 8 16]
+    python -m bench.plane [--quick] [--rate 100mbit] [--size-mb 25] [--nodes 4 8 16] [--fanout 2 4]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def _node(links: Links, i: int, spec: dict) -> subprocess.Popen:
 
 
 def transfer(links: Links, count: int, mode: str, routes: dict[int, list[int]] | None,
-             timeout: float) -> float:
+             timeout: float, fanout: int = 1) -> float:
     """One vector of ``count`` elements moved as ``mode`` says (``bench/plane_node.py``):
     ``raw`` along ``routes`` (node -> the nodes it sends to) from node 0; ``gather``, ``chain``
     and ``reduce`` among all the nodes. Seconds from the common start to the last node's end."""
@@ -111,7 +111,7 @@ def transfer(links: Links, count: int, mode: str, routes: dict[int, list[int]] |
                 "port": PORT, "ips": links.ips[:len(members)], "start_at": start_at,
                 "timeout": timeout, "listen": links.ips[i] if i in parent else None,
                 "sendto": [[d, links.ips[d]] for d in (routes or {}).get(i, [])],
-                "from": parent.get(i)}
+                "from": parent.get(i), "fanout": fanout}
         procs[i] = _node(links, i, spec)
     out = {}
     for i, p in procs.items():
@@ -130,7 +130,8 @@ def transfer(links: Links, count: int, mode: str, routes: dict[int, list[int]] |
 WAYS = ("star_broadcast", "chain_broadcast", "star_reduce", "chain_reduce")
 
 
-def measure(quick: bool, rate: str, size_mb: float, counts: list[int]) -> dict:
+def measure(quick: bool, rate: str, size_mb: float, counts: list[int],
+            fanouts: tuple[int, ...] = ()) -> dict:
     count = int(size_mb * 1e6) // 4
     timeout = 600.0
     rows = []
@@ -146,6 +147,8 @@ def measure(quick: bool, rate: str, size_mb: float, counts: list[int]) -> dict:
             row["chain_broadcast_s"] = transfer(links, count, "chain", None, timeout)
             row["star_reduce_s"] = transfer(links, count, "gather", None, timeout)
             row["chain_reduce_s"] = transfer(links, count, "reduce", None, timeout)
+            for f in fanouts:  # PLANE_FANOUT: the broadcast as a tree of f chains
+                row[f"tree{f}_broadcast_s"] = transfer(links, count, "chain", None, timeout, f)
         finally:
             links.close()
         row["load_before"] = round(load0, 2)
@@ -154,7 +157,7 @@ def measure(quick: bool, rate: str, size_mb: float, counts: list[int]) -> dict:
         rows.append(row)
         print(f"  {n} nodes: plain TCP {row['tcp_s']:.2f} s, one transfer {row['one_s']:.2f} s; " + ", ".join(
             f"{w.replace('_', ' ')} {row[w + '_s']:.2f} s ({row[w + '_s'] / row['one_s']:.2f}x)"
-            for w in WAYS), flush=True)
+            for w in WAYS + tuple(f"tree{f}_broadcast" for f in fanouts)), flush=True)
     return {"rate": rate, "size_mb": size_mb, "chunk_bytes": CHUNK * 4, "rows": rows}
 
 
@@ -195,10 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--size-mb", type=float, default=None)
     p.add_argument("--nodes", type=int, nargs="+", default=None)
+    p.add_argument("--fanout", type=int, nargs="+", default=[],
+                   help="also the broadcast as a tree of this many chains (PLANE_FANOUT)")
     a = p.parse_args(argv)
     size = a.size_mb or (10.0 if a.quick else 25.0)
     counts = a.nodes or ([4, 8] if a.quick else [4, 8, 16])
-    print(json.dumps(measure(a.quick, a.rate, size, counts), indent=1))
+    print(json.dumps(measure(a.quick, a.rate, size, counts, tuple(a.fanout)), indent=1))
     return 0
 
 

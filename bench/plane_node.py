@@ -148,7 +148,8 @@ def plane(spec: dict, buf: np.ndarray) -> np.ndarray | None:
     me, ips, port = spec["node"], spec["ips"], spec["port"]
     reduce = spec["mode"] == "reduce"
     members = list(range(len(ips)))
-    route = plan(Kind.REDUCE if reduce else Kind.BROADCAST, members, 0, 1)
+    route = plan(Kind.REDUCE if reduce else Kind.BROADCAST, members, 0,
+                 1 if reduce else spec.get("fanout", 1))
     info = RouteInfo(1, route, {n: f"{ips[n]}:{port}" for n in members}, 0, spec["chunk"],
                      total_summands=len(ips), total_weight=float(len(ips)))
 

@@ -77,6 +77,11 @@ class JobConfig:
                     "downloads the leader from, or uploads its sum to, the global server) | "
                     "chain (node to node, each forwarding as it receives: LSGD's leader goes down "
                     "a chain, the center rules' sums add up along one toward node 0)")
+    plane_fanout: int = _f(1, "PLANE=chain: chains a global round's broadcast (the leader) is cut "
+                           "into, each fed by its source: 1 is one chain, the fastest while "
+                           "the route is short; more trade the source's bandwidth (1/fanout "
+                           "each) for a shallower route, for hundreds of nodes. Sums always "
+                           "add up along one chain")
     data_host: str | None = _f(None, "PLANE=chain: the IP address other nodes reach this node's "
                                "data listener at (default: the one it reaches node 0 from)")
     data_port: int = _f(0, "PLANE=chain: the TCP port of this node's data listener (0: any "
@@ -219,6 +224,7 @@ class JobConfig:
         need(self.plane in ("star", "chain"),
              f"plane '{self.plane}' is unknown; choose star or chain")
         need(0 <= self.data_port <= 65535, f"data_port must be in 0..65535, got {self.data_port}")
+        need(1 <= self.plane_fanout <= 64, f"plane_fanout must be in 1..64, got {self.plane_fanout}")
         if self.plane != "chain":
             return
         need(self.wire == "float32", "PLANE=chain forwards float32 only for now; set WIRE=float32")

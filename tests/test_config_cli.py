@@ -37,6 +37,7 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("PLANE", "chain"), ("ALGORITHM", "easgd-async")), "algorithm 'easgd-async' has no rounds: set PLANE=star"),
     ((("PLANE", "chain"), ("DATA_HOST", "node-1")), "data_host 'node-1' is not an IP address"),
     ((("PLANE", "chain"), ("DATA_PORT", "70000")), "data_port must be in 0..65535, got 70000"),
+    ((("PLANE_FANOUT", "0"),), "plane_fanout must be in 1..64, got 0"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

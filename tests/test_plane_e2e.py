@@ -37,14 +37,18 @@ def run_three_nodes(cluster, knobs) -> list:
 
 
 @pytest.mark.timeout(150)
-def test_a_chain_job_passes_every_leader_node_to_node(cluster):
-    knobs = dict(NUM_GROUPS=3, WORKERS=2, ITERATIONS=3000, **TOY)
+@pytest.mark.parametrize("fanout", [1, 2])  # 2: the source feeds both other nodes at once
+def test_a_chain_job_passes_every_leader_node_to_node(cluster, fanout):
+    knobs = dict(NUM_GROUPS=3, WORKERS=2, ITERATIONS=3000, PLANE_FANOUT=fanout, **TOY)
     n0, *rest = run_three_nodes(cluster, knobs)
     stats = {n.index: n.summary()["plane"] for n in [n0, *rest]}
     assert all(s["failed"] == 0 and s["bypasses"] == 0 for s in stats.values()), stats
     # each global round: the source sends once per child, every other member receives once
     assert sum(s["sent"] for s in stats.values()) == sum(s["received"] for s in stats.values())
     assert all(s["received"] > 0 for s in stats.values()), stats  # every node led sometimes not
+    if fanout == 2:  # a tree: each round's source sends to both others, nobody forwards
+        rounds = sum(s["sent"] for s in stats.values()) // 2
+        assert all(s["sent"] == 2 * (rounds - s["received"]) for s in stats.values()), stats
     rounds = leaders_by_round(cluster.run_dir, range(3))
     assert rounds and all(len(ids) == 1 for ids in rounds.values()), rounds  # one leader each
     for node in [n0, *rest]:

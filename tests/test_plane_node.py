@@ -32,7 +32,8 @@ class Chain:
     """Members 0..n-1 in processes; the test process plays the global server."""
 
     def __init__(self, n: int, delays: dict[int, float], timeout: float = 20.0,
-                 count: int = COUNT, chunk: int = CHUNK, reduce: bool = False) -> None:
+                 count: int = COUNT, chunk: int = CHUNK, reduce: bool = False,
+                 fanout: int = 1) -> None:
         self.count = count
         ctx = mp.get_context("spawn")
         self.conns, self.procs = [], []
@@ -44,7 +45,7 @@ class Chain:
             here.send(timeout)
             self.conns.append(here)
             self.procs.append(p)
-        self.routes = Routes()
+        self.routes = Routes(fanout)
         for i, c in enumerate(self.conns):
             assert c.poll(60), f"member {i} did not start"
             kind, address = c.recv()
@@ -155,6 +156,33 @@ def test_a_member_killed_mid_transfer_is_bypassed_and_its_successor_resumes(chai
     # member 2 had a part from member 1, and went on from there with member 0
     assert results[2][1]["resumed"] == 1
     assert results[0][1]["bypasses"] == 1
+
+
+def test_every_member_gets_the_exact_vector_down_a_tree_of_chains(chain_of):
+    chain = chain_of(5, delays={}, fanout=2)  # PLANE_FANOUT=2: 0 -> 1 -> 2 and 0 -> 3 -> 4
+    assert chain.info.route.children(0) == [1, 3] and chain.info.route.depth() == 2
+    chain.start()
+    results = chain.finish()
+    want = vector(COUNT)
+    for i in range(1, 5):
+        got = received(results, i)
+        assert got is not None and np.array_equal(got, want), f"member {i}"
+    assert [results[i][1]["sent"] for i in range(5)] == [2, 1, 0, 1, 0]
+
+
+def test_a_member_killed_mid_transfer_in_one_branch_of_a_tree_is_bypassed(chain_of):
+    chain = chain_of(5, delays={3: 0.02}, fanout=2)  # member 3 heads the second chain, slowly
+    chain.start()
+    time.sleep(0.4 + 0.5)
+    os.kill(chain.procs[3].pid, signal.SIGKILL)
+    results = chain.finish()
+    assert chain.routes.bypasses == 1 and chain.routes.current.route.left == {3}
+    assert chain.routes.current.route.children(0) == [1, 4]  # 4 now hangs from the source
+    want = vector(COUNT)
+    for i in (1, 2, 4):
+        got = received(results, i)
+        assert got is not None and np.array_equal(got, want), f"member {i}"
+    assert results[4][1]["resumed"] == 1  # it had a part from 3 and went on from there
 
 
 def test_a_hung_member_is_bypassed_once_it_stalls(chain_of):

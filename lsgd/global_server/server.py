@@ -69,6 +69,7 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
                         checkpoint_every=config.checkpoint_every)
     servicer = GlobalServicer(coord, ParamStore(rule), config.round_timeout)
     servicer.drop_grace = config.reconnect_timeout + 10.0
+    servicer.routes.fanout = config.plane_fanout
     return servicer
 
 
