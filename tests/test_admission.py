@@ -277,7 +277,7 @@ def test_long_polls_are_capped_per_session():
         with pytest.raises(_Aborted) as e:
             handler.unary_unary(mine, _Context())
         assert e.value.args[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "node 0 already has 2 credit or round calls waiting" in e.value.args[1]
+        assert "node 0 already has 2 credit, round or digest calls waiting" in e.value.args[1]
         gate.set()  # the waiting ones answer; another session was never limited by them
         other = pb.ReportRoundRequest(node=pb.NodeId(node_index=1, session=6))
         assert handler.unary_unary(other, _Context()) is True

@@ -60,6 +60,7 @@ def _setup():
     config = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="easgd", alpha=0.1,
                        round_timeout=0.05, l_comm=2, g_comm=2, iterations=200)
     servicer = build_servicer(config)
+    servicer.digest_wait = 0.01  # LeaderDigest's question: answered at once (no route here)
     sessions = []
     for i in (0, 1):
         resp = servicer.Join(pb.JoinRequest(node=pb.NodeId(job_id="job", node_index=i),
@@ -100,6 +101,9 @@ def requests(sessions):
             nid, SMALL, st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
             st.text(max_size=300), st.booleans()),
         st.builds(lambda n: ("Heartbeat", pb.HeartbeatRequest(node=n)), nid),
+        st.builds(lambda n, r, d: ("LeaderDigest", pb.LeaderDigestRequest(
+            node=n, round_id=r, sha256=d)), nid, SMALL,
+            st.one_of(st.just(b""), st.binary(min_size=32, max_size=32), st.binary(max_size=80))),
         st.builds(lambda n, c, l, r, w, s, q, u: ("AcquireCredits", pb.AcquireCreditsRequest(
             node=n, consumed=c, late_consumed=l, released=r, want=w, last_round_seen=s,
             max_wait_ms=0, seq=q, used_ms=u)), nid, st.one_of(SMALL, U64),

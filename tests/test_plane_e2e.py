@@ -53,6 +53,7 @@ def test_a_chain_job_passes_every_leader_node_to_node(cluster, fanout):
     assert rounds and all(len(ids) == 1 for ids in rounds.values()), rounds  # one leader each
     for node in [n0, *rest]:
         assert "data listener at 127.0.0.1:" in node.output
+        assert "came down the route is refused" not in node.output  # the digests matched
     assert_clean_exit(cluster.run_dir, [n0, *rest])
 
 

@@ -12,8 +12,8 @@ held all the threads, heartbeats timed out and every node was dropped (issue 9, 
   RESOURCE_EXHAUSTED), so ``control`` threads always remain for Join, Heartbeat,
   AcquireCredits, ReportRound and Leave;
 - streams whose header has not named a node session yet are capped per peer host, streams of one
-  session per session, and the long-polls (AcquireCredits, ReportRound) per session: a node makes
-  one call at a time, so its legitimate use is far below the caps;
+  session per session, and the long-polls (AcquireCredits, ReportRound, LeaderDigest) per
+  session: a node makes one call at a time, so its legitimate use is far below the caps;
 - ``Session`` streams (one per node: the node loop's credit and round calls) hold a thread each
   for as long as the node is there, from ``sessions`` threads of their own: at most
   ``sessions`` are open; until the servicer has checked a stream's opening message (the node
@@ -40,7 +40,7 @@ import grpc
 log = logging.getLogger(__name__)
 
 STREAMS = ("PushParams", "PullParams")
-POLLS = ("AcquireCredits", "ReportRound")  # long-polls: they hold a thread by design
+POLLS = ("AcquireCredits", "ReportRound", "LeaderDigest")  # they hold a thread by design
 
 
 @dataclass(frozen=True)
@@ -219,7 +219,7 @@ class Admission(grpc.ServerInterceptor):
                     self._polls[key] += 1
             if busy:
                 self._refuse(context, "polls", f"node {key[0]} already has "
-                             f"{self.limits.polls_per_session} credit or round calls waiting; "
+                             f"{self.limits.polls_per_session} credit, round or digest calls waiting; "
                              "a node makes one at a time")
             try:
                 return behavior(request, context)

@@ -25,6 +25,7 @@ from ..rules import ops
 from ..rules.base import MAX_WEIGHT, MIN_WEIGHT, RoundKind, Rule, Exchange as ExchangeKind
 from .buffers import AVERAGE, CENTER, HELD, LEADER, SUM, ParamError, _size, available_memory
 from .deltas import DeltaLedger, DeltaMixin
+from .digests import LeaderDigests
 from .mail import Mailboxes
 from .saves import SavedParams
 
@@ -76,6 +77,7 @@ class ParamStore(DeltaMixin, SavedParams):
         self.memory = available_memory  # bytes free for new buffers (tests replace it)
         self.deltas = DeltaLedger()  # asynchronous rules' center deltas (deltas.py)
         self.mail: Mailboxes | None = None  # gossip rules' mail between nodes (mail.py)
+        self.digests = LeaderDigests()  # PLANE=chain: each round's leader, as its source sent it
 
     def check_param_count(self, count: int) -> None:
         """Raise ParamError unless a node with ``count`` parameters may join."""
@@ -312,6 +314,8 @@ class ParamStore(DeltaMixin, SavedParams):
         target = self.buffers[SUM if buffer == SUM else (CENTER if buffer == CENTER else LEADER)]
         try:
             self._receive(target, chunks, add=(buffer == SUM), exchange=ex, dtype=dtype)
+            if buffer == LEADER and ex is not None:
+                self.digests.check(round_id, target)  # PLANE=chain: the source's leader only
         except Exception as exc:
             with self._cond:
                 if buffer in self.versions:

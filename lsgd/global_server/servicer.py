@@ -24,6 +24,7 @@ from ..rules.base import Exchange as ExchangeKind, RoundKind
 from . import session
 from .coordinator import Coordinator, CoordinatorError
 from .buffers import DELTA, MAIL
+from .digests import SIZE as DIGEST_SIZE, WAIT as DIGEST_WAIT
 from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, ParamStore, _wire_dtype
 from .routes import Routes
 from .rpcstats import RpcStats
@@ -98,6 +99,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self._journaled: tuple = (None, None)
         self.dumps = 0  # numbers every state taken: a restart goes on from the newest
         self.routes = Routes()  # PLANE=chain: data addresses and the leader's route (routes.py)
+        self.digest_wait = DIGEST_WAIT  # seconds a member's LeaderDigest waits for the source
 
     def state_dump(self) -> dict:
         """The coordinator's state, numbered (lock held)."""
@@ -394,6 +396,29 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             return self.routes.message(info)
 
         return self._call(context, bypass)
+
+    def LeaderDigest(self, request: pb.LeaderDigestRequest,
+                     context: grpc.ServicerContext) -> pb.LeaderDigestResponse:
+        def who() -> int:
+            self._check(request.node)
+            index = request.node.node_index
+            self.coord._node(index, request.node.session, self.clock())
+            if len(request.sha256) not in (0, DIGEST_SIZE):
+                raise ParamError("INVALID_ARGUMENT", f"a digest is {DIGEST_SIZE} bytes, got "
+                                 f"{len(request.sha256)}")
+            if request.sha256:  # only the source of the round's leader route registers
+                r = self.routes.current
+                if r is None or r.round_id != request.round_id or r.reduce or r.route.root != index:
+                    raise CoordinatorError("PERMISSION_DENIED", f"node {index} is not the "
+                                           f"source of round {request.round_id}'s leader route")
+                self.params.digests.register(request.round_id, bytes(request.sha256))
+            return index
+
+        self._call(context, who)
+        if request.sha256:
+            return pb.LeaderDigestResponse(sha256=request.sha256)
+        digest = self.params.digests.get(request.round_id, self.digest_wait)  # outside the lock
+        return pb.LeaderDigestResponse(sha256=digest or b"")
 
     def Session(self, request_iterator: Iterator[pb.SessionRequest],
                 context: grpc.ServicerContext) -> Iterator[pb.SessionReply]:

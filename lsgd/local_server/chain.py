@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from ..global_server.digests import sha256_of
 from ..plane.messages import PlaneError, center_route, from_pb
 from ..plane.node import DataPlane, RouteInfo
 from ..rules import ops
@@ -146,11 +147,35 @@ class ChainMixin:
                           weight=route.total_weight, vec=total)
 
     def _send_down_route(self, rid: int, slot: np.ndarray) -> np.ndarray:
-        """The source: the leader (``slot``) is staged (its worker trains on meanwhile) and sent
-        down the route. Returns the staged copy (what the server may need too)."""
+        """The source: the leader (``slot``) is staged (its worker trains on meanwhile), and its
+        digest registered with the server before anything is sent (``global_server/digests.py``):
+        the members and the server keep only that vector. Returns the staged copy."""
         assert self.plane is not None
         ops.copy_(self.plane.stage, slot)
+        try:
+            with self._network_call():
+                self.client.leader_digest(rid, sha256_of(self.plane.stage))
+        except grpc.RpcError as exc:
+            log.warning("round %d: the leader's digest was not registered (%s); the route's "
+                        "members will take the leader from the server", rid, exc.details())
         return self.plane.stage
+
+    def _verified(self, rid: int, vec: np.ndarray) -> bool:
+        """Whether ``vec``, whole from the route, is the leader its source registered."""
+        try:
+            with self._network_call():
+                want = self.client.leader_digest(rid)
+        except grpc.RpcError as exc:
+            want, why = b"", f"its digest could not be had ({exc.details()})"
+        else:
+            why = "its source registered no digest"
+        if want and sha256_of(vec) == want:
+            return True
+        if want:
+            why = "it is not the vector its source registered (SHA-256 differs)"
+        log.warning("round %d: the leader that came down the route is refused: %s; taking the "
+                    "server's", rid, why)
+        return False
 
     def _finish_send(self, rid: int) -> None:
         assert self.plane is not None
@@ -168,7 +193,7 @@ class ChainMixin:
             log.warning("round %d: the leader that came down the route is not finite; "
                         "skipping it", rid)
             return False, None
-        if vec is None:
+        if vec is None or not self._verified(rid, vec):
             return False, None
         if not self._free(GLOBAL_LEADER, rid):
             return False, vec

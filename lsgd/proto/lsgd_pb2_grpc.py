@@ -74,6 +74,11 @@ class GlobalServerStub:
                 request_serializer=lsgd__pb2.BypassRequest.SerializeToString,
                 response_deserializer=lsgd__pb2.DataRoute.FromString,
                 _registered_method=True)
+        self.LeaderDigest = channel.unary_unary(
+                '/lsgd.v1.GlobalServer/LeaderDigest',
+                request_serializer=lsgd__pb2.LeaderDigestRequest.SerializeToString,
+                response_deserializer=lsgd__pb2.LeaderDigestResponse.FromString,
+                _registered_method=True)
         self.Session = channel.stream_stream(
                 '/lsgd.v1.GlobalServer/Session',
                 request_serializer=lsgd__pb2.SessionRequest.SerializeToString,
@@ -143,6 +148,16 @@ class GlobalServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LeaderDigest(self, request, context):
+        """PLANE=chain: the round's leader source registers the SHA-256 of the leader it sends down
+        the route, before it sends; a member asks for it (waiting a few seconds at most) and keeps
+        what came down the route only if it matches. The server refuses a leader upload that does
+        not match either.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Session(self, request_iterator, context):
         """The node loop's AcquireCredits and ReportRound calls, one at a time, on one stream per node
         session (a message costs the server less than a unary call). The first request opens it;
@@ -195,6 +210,11 @@ def add_GlobalServerServicer_to_server(servicer, server):
                     servicer.Bypass,
                     request_deserializer=lsgd__pb2.BypassRequest.FromString,
                     response_serializer=lsgd__pb2.DataRoute.SerializeToString,
+            ),
+            'LeaderDigest': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaderDigest,
+                    request_deserializer=lsgd__pb2.LeaderDigestRequest.FromString,
+                    response_serializer=lsgd__pb2.LeaderDigestResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -418,6 +438,33 @@ class GlobalServer:
             '/lsgd.v1.GlobalServer/Bypass',
             lsgd__pb2.BypassRequest.SerializeToString,
             lsgd__pb2.DataRoute.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaderDigest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lsgd.v1.GlobalServer/LeaderDigest',
+            lsgd__pb2.LeaderDigestRequest.SerializeToString,
+            lsgd__pb2.LeaderDigestResponse.FromString,
             options,
             channel_credentials,
             insecure,
