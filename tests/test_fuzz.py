@@ -60,7 +60,10 @@ def _setup():
     config = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="easgd", alpha=0.1,
                        round_timeout=0.05, l_comm=2, g_comm=2, iterations=200)
     servicer = build_servicer(config)
-    servicer.digest_wait = 0.01  # LeaderDigest's question: answered at once (no route here)
+    servicer.digest_wait = 0.01  # LeaderDigest's question: answered at once
+    from lsgd.plane.messages import leader_route  # a route whose source (node 1) may register
+
+    servicer.routes.current = leader_route(1, [0, 1], 1, {0: "127.0.0.1:1", 1: "127.0.0.1:2"})
     sessions = []
     for i in (0, 1):
         resp = servicer.Join(pb.JoinRequest(node=pb.NodeId(job_id="job", node_index=i),

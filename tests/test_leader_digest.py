@@ -37,6 +37,25 @@ def test_a_digest_is_registered_once_kept_a_few_rounds_and_waited_for_briefly():
         d.check(10, np.zeros(5, np.float32))
 
 
+def test_a_leader_that_came_down_a_route_is_not_taken_without_its_sources_digest(monkeypatch):
+    from lsgd.config import JobConfig
+    from lsgd.global_server.params import LEADER, ParamStore
+    from lsgd.rules.base import RoundKind
+
+    monkeypatch.setattr(digests_mod, "WAIT", 0.05)
+    params = ParamStore(JobConfig(algorithm="lsgd").make_rule())
+    params.set_param_count(10)
+    params.begin(4, RoundKind.GLOBAL, 2, {0: 1, 1: 1, 2: 1}, 5.0, leader_uploader=0)
+    with pytest.raises(ParamError, match="registered no digest"):
+        params.push(0, 4, LEADER, 10, 0, [(0, np.ones(10, np.float32).tobytes())])
+    assert not params.exchange.leader_ok
+    star = ParamStore(JobConfig(algorithm="lsgd").make_rule())  # no route: nothing to check
+    star.set_param_count(10)
+    star.begin(4, RoundKind.GLOBAL, 2, {0: 1, 1: 1, 2: 1}, 5.0)
+    star.push(2, 4, LEADER, 10, 0, [(0, np.ones(10, np.float32).tobytes())])
+    assert star.exchange.leader_ok
+
+
 def test_the_server_refuses_a_leader_upload_that_is_not_the_sources():
     from lsgd.config import JobConfig
     from lsgd.global_server.params import LEADER, ParamStore
@@ -152,3 +171,43 @@ def test_a_member_keeps_only_the_leader_its_source_registered(case, caplog):
     else:  # nothing applied, nothing forwarded to the server: the server's copy instead
         assert not have and staged is None and not member.held.any()
         assert "is refused" in caplog.text and "taking the server's" in caplog.text
+
+
+class _Failing(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self) -> str:
+        return f"{self._code.name} for the test"
+
+
+@pytest.mark.parametrize("failures, code, calls, registered", [
+    (2, grpc.StatusCode.UNAVAILABLE, 3, True),  # a passing hiccup: registered at the third try
+    (5, grpc.StatusCode.UNAVAILABLE, 3, False),
+    (5, grpc.StatusCode.PERMISSION_DENIED, 1, False),  # not worth asking again
+])
+def test_the_source_registers_before_it_sends_and_says_so_when_it_cannot(
+        failures, code, calls, registered, caplog, monkeypatch):
+    from lsgd.local_server import chain
+
+    monkeypatch.setattr(chain.time, "sleep", lambda s: None)
+    slot = np.linspace(0, 1, 32).astype(np.float32)
+    tries = []
+
+    def leader_digest(rid: int, sha: bytes = b"") -> bytes:
+        tries.append(sha)
+        if len(tries) <= failures:
+            raise _Failing(code)
+        return sha
+
+    node = SimpleNamespace(plane=SimpleNamespace(stage=np.zeros(32, np.float32)),
+                           client=SimpleNamespace(leader_digest=leader_digest),
+                           _network_call=contextlib.nullcontext)
+    with caplog.at_level(logging.WARNING, logger="lsgd.local_server.server"):
+        staged = chain.ChainMixin._send_down_route(node, 5, slot)
+    assert np.array_equal(staged, slot) and len(tries) == calls
+    assert all(t == sha256_of(slot) for t in tries)
+    assert ("could not be registered" in caplog.text) is not registered

@@ -60,10 +60,14 @@ class LeaderDigests:
                 self._cond.wait(left)
             return self._by_round[round_id]
 
-    def check(self, round_id: int, vec: np.ndarray) -> None:
-        """Refuse ``vec`` as ``round_id``'s leader when its source registered another digest
-        (no digest: nothing to check, as on the star)."""
-        want = self.get(round_id)
+    def check(self, round_id: int, vec: np.ndarray, required: bool = False) -> None:
+        """Refuse ``vec`` as ``round_id``'s leader when its source registered another digest,
+        or, where the leader came down a route (``required``), none within ``WAIT`` seconds.
+        On the star there is nothing to check."""
+        want = self.get(round_id, WAIT if required else 0.0)
+        if want is None and required:
+            raise ParamError("FAILED_PRECONDITION", f"round {round_id}'s leader came down a route "
+                             "whose source registered no digest: it is not taken")
         if want is not None and sha256_of(vec) != want:
             raise ParamError("INVALID_ARGUMENT", f"the leader uploaded for round {round_id} is "
                              "not the one its source sent (SHA-256 differs)")

@@ -50,6 +50,7 @@ class Exchange:
     average: bool = False  # the sums make an average (final and evaluation rounds)
     sums_ok: bool = True
     reduce: "RouteInfo | None" = None  # PLANE=chain: the sums come as one total (begin)
+    leader_route: bool = False  # PLANE=chain: the leader comes down a route (needs its digest)
     settled: bool = False
     failed: list[str] = field(default_factory=list)
 
@@ -156,7 +157,8 @@ class ParamStore(DeltaMixin, SavedParams):
             if any(b == SUM for _, b in expected) and self.param_count:
                 self.buffers[SUM].fill(0.0)
             self.exchange = Exchange(round_id, kind, expected, self.clock() + timeout,
-                                     participants=dict(reports), average=average, reduce=reduce)
+                                     participants=dict(reports), average=average, reduce=reduce,
+                                     leader_route=leader_uploader is not None)
             self._maybe_settle()
             self._cond.notify_all()
 
@@ -314,8 +316,8 @@ class ParamStore(DeltaMixin, SavedParams):
         target = self.buffers[SUM if buffer == SUM else (CENTER if buffer == CENTER else LEADER)]
         try:
             self._receive(target, chunks, add=(buffer == SUM), exchange=ex, dtype=dtype)
-            if buffer == LEADER and ex is not None:
-                self.digests.check(round_id, target)  # PLANE=chain: the source's leader only
+            if buffer == LEADER and ex is not None:  # PLANE=chain: the source's leader only
+                self.digests.check(round_id, target, required=ex.leader_route)
         except Exception as exc:
             with self._cond:
                 if buffer in self.versions:

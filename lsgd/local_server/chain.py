@@ -9,6 +9,7 @@ A mixin of ``LocalServer`` (``server.py``).
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -23,6 +24,7 @@ from .global_client import RPC_TIMEOUT, RoundAnswer
 from .state import DataPortError
 
 log = logging.getLogger("lsgd.local_server.server")
+REGISTER_TRIES = 3  # the source's registration of the leader's digest (UNAVAILABLE: again)
 
 
 @dataclass
@@ -152,12 +154,20 @@ class ChainMixin:
         the members and the server keep only that vector. Returns the staged copy."""
         assert self.plane is not None
         ops.copy_(self.plane.stage, slot)
-        try:
-            with self._network_call():
-                self.client.leader_digest(rid, sha256_of(self.plane.stage))
-        except grpc.RpcError as exc:
-            log.warning("round %d: the leader's digest was not registered (%s); the route's "
-                        "members will take the leader from the server", rid, exc.details())
+        digest = sha256_of(self.plane.stage)
+        for attempt in range(REGISTER_TRIES):
+            try:
+                with self._network_call():
+                    self.client.leader_digest(rid, digest)
+                break
+            except grpc.RpcError as exc:
+                if attempt + 1 == REGISTER_TRIES or exc.code() in (
+                        grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.FAILED_PRECONDITION):
+                    log.warning("round %d: the leader's digest could not be registered (%s); the "
+                                "route's members and the server will refuse this round's leader",
+                                rid, exc.details())
+                    break
+                time.sleep(0.2 * (attempt + 1))
         return self.plane.stage
 
     def _verified(self, rid: int, vec: np.ndarray) -> bool:
