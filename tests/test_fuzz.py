@@ -60,7 +60,7 @@ def _setup():
     config = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="easgd", alpha=0.1,
                        round_timeout=0.05, l_comm=2, g_comm=2, iterations=200)
     servicer = build_servicer(config)
-    servicer.digest_wait = 0.01  # LeaderDigest's question: answered at once
+    servicer.digest_wait = 0.01  # Digest's question: answered at once
     from lsgd.plane.messages import leader_route  # a route whose source (node 1) may register
 
     servicer.routes.current = leader_route(1, [0, 1], 1, {0: "127.0.0.1:1", 1: "127.0.0.1:2"})
@@ -104,7 +104,7 @@ def requests(sessions):
             nid, SMALL, st.integers(0, 2**32 - 1), st.integers(0, 2**32 - 1),
             st.text(max_size=300), st.booleans()),
         st.builds(lambda n: ("Heartbeat", pb.HeartbeatRequest(node=n)), nid),
-        st.builds(lambda n, r, d: ("LeaderDigest", pb.LeaderDigestRequest(
+        st.builds(lambda n, r, d: ("Digest", pb.DigestRequest(
             node=n, round_id=r, sha256=d)), nid, SMALL,
             st.one_of(st.just(b""), st.binary(min_size=32, max_size=32), st.binary(max_size=80))),
         st.builds(lambda n, c, l, r, w, s, q, u: ("AcquireCredits", pb.AcquireCreditsRequest(

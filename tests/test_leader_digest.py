@@ -112,16 +112,16 @@ def test_only_the_rounds_source_registers_and_every_member_can_ask(chain_server)
             (c2, 5, digest, grpc.StatusCode.PERMISSION_DENIED, "not the source of round 5"),
             (c2, 4, b"x" * 33, grpc.StatusCode.INVALID_ARGUMENT, "a digest is 32 bytes")]:
         with pytest.raises(grpc.RpcError) as e:
-            who.leader_digest(rid, sha)
+            who.digest(rid, sha)
         assert e.value.code() == code and why in e.value.details()
     assert servicer.params.digests.get(4) is None  # nothing was registered
-    assert c2.leader_digest(4, digest) == digest
+    assert c2.digest(4, digest) == digest
     with pytest.raises(grpc.RpcError) as e:
-        c2.leader_digest(4, sha256_of(np.zeros(10, np.float32)))
+        c2.digest(4, sha256_of(np.zeros(10, np.float32)))
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert c0.leader_digest(4) == digest and c1.leader_digest(4) == digest
+    assert c0.digest(4) == digest and c1.digest(4) == digest
     servicer.digest_wait = 0.1
-    assert c1.leader_digest(6) == b""  # none registered: empty after the (short) wait
+    assert c1.digest(6) == b""  # none registered: empty after the (short) wait
 
 
 class _Member:
@@ -133,7 +133,7 @@ class _Member:
         self.held = np.zeros_like(came)
         self.asked = []
 
-        def leader_digest(rid: int, sha: bytes = b"") -> bytes:
+        def digest(rid: int, sha: bytes = b"", center: bool = False) -> bytes:
             self.asked.append(rid)
             if isinstance(registered, Exception):
                 raise registered
@@ -142,7 +142,7 @@ class _Member:
         node = SimpleNamespace(
             plane=SimpleNamespace(receive=lambda: came, timeout=1.0),
             liveness=SimpleNamespace(blocking=lambda seconds: contextlib.nullcontext()),
-            client=SimpleNamespace(leader_digest=leader_digest),
+            client=SimpleNamespace(digest=digest),
             store=SimpleNamespace(buffer=lambda name: self.held),
             _free=lambda name, rid: True, _network_call=contextlib.nullcontext)
         self.take = lambda rid: ChainMixin._leader_from_route(node, rid)
@@ -197,17 +197,90 @@ def test_the_source_registers_before_it_sends_and_says_so_when_it_cannot(
     slot = np.linspace(0, 1, 32).astype(np.float32)
     tries = []
 
-    def leader_digest(rid: int, sha: bytes = b"") -> bytes:
+    def digest(rid: int, sha: bytes = b"", center: bool = False) -> bytes:
         tries.append(sha)
         if len(tries) <= failures:
             raise _Failing(code)
         return sha
 
     node = SimpleNamespace(plane=SimpleNamespace(stage=np.zeros(32, np.float32)),
-                           client=SimpleNamespace(leader_digest=leader_digest),
+                           client=SimpleNamespace(digest=digest),
                            _network_call=contextlib.nullcontext)
     with caplog.at_level(logging.WARNING, logger="lsgd.local_server.server"):
         staged = chain.ChainMixin._send_down_route(node, 5, slot)
     assert np.array_equal(staged, slot) and len(tries) == calls
     assert all(t == sha256_of(slot) for t in tries)
     assert ("could not be registered" in caplog.text) is not registered
+
+
+# ---------------------------------------------------------------- the new center of a reduce
+def _settled_average_round(total: np.ndarray):
+    """A store of an `average` job whose round 3 sums (node 0's total of 2) are in."""
+    from lsgd.config import JobConfig
+    from lsgd.global_server.params import SUM, ParamStore
+    from lsgd.plane.messages import sum_route
+    from lsgd.rules.base import RoundKind
+
+    params = ParamStore(JobConfig(algorithm="average").make_rule())
+    params.set_param_count(total.size)
+    route = sum_route(3, {0: (1, 0.0), 1: (1, 0.0)}, {0: "127.0.0.1:1", 1: "127.0.0.1:2"})
+    params.begin(3, RoundKind.GLOBAL, None, {0: 1, 1: 1}, 30.0, reduce=route)
+    return params, lambda: params.push(0, 3, SUM, total.size, 2, [(0, total.tobytes())])
+
+
+def test_the_server_vouches_for_the_center_it_made_and_for_nothing_else():
+    from lsgd.global_server.params import CENTER
+
+    params, push = _settled_average_round(np.full(8, 4.0, np.float32))
+    assert params.center_digest(3, timeout=0.05) is None  # the sums are not in yet
+    push()
+    assert params.exchange.settled
+    assert params.center_digest(3, timeout=0.05) == sha256_of(params.buffers[CENTER])
+    assert np.allclose(params.buffers[CENTER], 2.0)  # the mean of the total of two
+    assert params.center_digest(2, timeout=0.05) is None  # an older round: over
+    assert params.center_digest(0, timeout=0.05) is None
+    failed, _ = _settled_average_round(np.ones(8, np.float32))
+    failed.fail(3, "the reduce was aborted")
+    assert failed.center_digest(3, timeout=0.05) is None  # no new center: nothing to vouch for
+
+
+def test_nobody_registers_a_centers_digest(chain_server):
+    servicer, (c0, c1, c2) = chain_server
+    req = dict(sha256=sha256_of(np.zeros(10, np.float32)), center=True)
+    with pytest.raises(grpc.RpcError) as e:
+        c2.digest(4, **req)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "server's own" in e.value.details()
+    servicer.digest_wait = 0.05
+    assert c1.digest(4, center=True) == b""  # an LSGD job's round has no new center
+
+
+@pytest.mark.parametrize("case", ["the server's", "forged"])
+def test_a_member_keeps_only_the_center_the_server_made(case, caplog):
+    from lsgd.local_server.chain import ChainMixin
+    from lsgd.plane.messages import sum_route
+
+    made = np.linspace(-1, 1, 16).astype(np.float32)  # the center the server made
+    came = made.copy()
+    if case == "forged":
+        came[3] = 7.0
+    held, pulled = np.zeros(16, np.float32), []
+    route = sum_route(6, {0: (1, 0.0), 1: (1, 0.0), 2: (1, 0.0)},
+                      {i: f"127.0.0.1:{i + 1}" for i in range(3)})
+    node = SimpleNamespace(
+        plane=SimpleNamespace(current=None, timeout=1.0, begin=lambda info: None,
+                              receive=lambda: came),
+        liveness=SimpleNamespace(blocking=lambda seconds: contextlib.nullcontext()),
+        cfg=SimpleNamespace(node_index=2, wire="float32"),
+        client=SimpleNamespace(digest=lambda rid, sha=b"", center=False:
+                               sha256_of(made) if center else b""),
+        store=SimpleNamespace(buffer=lambda name: held),
+        _free=lambda name, rid: True, _network_call=contextlib.nullcontext,
+        _pull=lambda name, kind, rid: pulled.append((name, rid)) or True)
+    node._verified = lambda rid, vec, center=False: ChainMixin._verified(node, rid, vec, center)
+    with caplog.at_level(logging.WARNING, logger="lsgd.local_server.server"):
+        assert ChainMixin._center_in(node, 6, route)
+    if case == "the server's":
+        assert np.array_equal(held, made) and not pulled and not caplog.records
+    else:  # refused: the server's copy instead
+        assert not held.any() and pulled == [("center", 6)]
+        assert "the center that came down the route is refused" in caplog.text

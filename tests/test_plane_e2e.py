@@ -90,6 +90,9 @@ def test_a_chain_job_adds_the_easgd_sums_up_and_sends_the_center_down(cluster):
     calls = global_summary(cluster.run_dir)["calls"]
     assert calls["PullParams"] <= rounds + 3 + 2 * evaluations + 3, calls
     assert calls["PushParams"] <= rounds + 1 + 4 * evaluations + 4, calls
+    assert calls["Digest"] == 2 * rounds, calls  # nodes 1 and 2 check each new center
+    for node in [n0, *rest]:
+        assert "came down the route is refused" not in node.output  # the digests matched
     assert_clean_exit(cluster.run_dir, [n0, *rest])
 
 

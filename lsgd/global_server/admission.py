@@ -12,7 +12,7 @@ held all the threads, heartbeats timed out and every node was dropped (issue 9, 
   RESOURCE_EXHAUSTED), so ``control`` threads always remain for Join, Heartbeat,
   AcquireCredits, ReportRound and Leave;
 - streams whose header has not named a node session yet are capped per peer host, streams of one
-  session per session, and the long-polls (AcquireCredits, ReportRound, LeaderDigest) per
+  session per session, and the long-polls (AcquireCredits, ReportRound, Digest) per
   session: a node makes one call at a time, so its legitimate use is far below the caps;
 - ``Session`` streams (one per node: the node loop's credit and round calls) hold a thread each
   for as long as the node is there, from ``sessions`` threads of their own: at most
@@ -40,7 +40,7 @@ import grpc
 log = logging.getLogger(__name__)
 
 STREAMS = ("PushParams", "PullParams")
-POLLS = ("AcquireCredits", "ReportRound", "LeaderDigest")  # they hold a thread by design
+POLLS = ("AcquireCredits", "ReportRound", "Digest")  # they hold a thread by design
 
 
 @dataclass(frozen=True)

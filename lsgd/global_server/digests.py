@@ -1,11 +1,11 @@
-"""The SHA-256 of each PLANE=chain round's leader, as the round's source registered it
-(docs/design-scale.md, build step 6).
+"""The SHA-256 of each PLANE=chain round's leader, as the round's source registered it, and of
+each new center the server sends down a route (docs/design-scale.md, build step 6).
 
 A member of a route holds the job secret, and so could feed its descendants a vector of its own
 (or claim to be one of their ancestors, from the same host). So the source registers the
 digest of the leader it sends before it sends, a member keeps what came down the route only if
 it matches, and the server refuses a leader upload that does not. Pure bookkeeping, thread-safe;
-the servicer checks who may register (``LeaderDigest``).
+the servicer checks who may register (``Digest``).
 """
 
 from __future__ import annotations
@@ -29,11 +29,26 @@ def sha256_of(vec: np.ndarray) -> bytes:
 
 
 class LeaderDigests:
-    """Round -> the leader's digest, the newest ``KEEP`` rounds."""
+    """Round -> the leader's digest, and the new center's (``center``), the newest ``KEEP``
+    rounds of each."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._by_round: dict[int, bytes] = {}
+        self._centers: dict[int, bytes] = {}
+
+    def center(self, round_id: int, vec: np.ndarray) -> bytes:
+        """The digest of ``round_id``'s new center ``vec``, made once (the caller holds the
+        lock that keeps the center from moving meanwhile)."""
+        with self._cond:
+            made = self._centers.get(round_id)
+        if made is None:
+            made = sha256_of(vec)
+            with self._cond:
+                self._centers[round_id] = made
+                for old in sorted(self._centers)[:-KEEP]:
+                    del self._centers[old]
+        return made
 
     def register(self, round_id: int, digest: bytes) -> None:
         """The source's digest for ``round_id``; a different second one is refused."""

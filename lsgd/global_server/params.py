@@ -421,6 +421,25 @@ class ParamStore(DeltaMixin, SavedParams):
         if round_id and (self.exchange is None or self.exchange.round_id != round_id):
             raise ParamError("ABORTED", f"{buffer} changed during the download of round {round_id}")
 
+    def center_digest(self, round_id: int, timeout: float) -> bytes | None:
+        """The SHA-256 of round ``round_id``'s new center once it is made (PLANE=chain: what
+        node 0 sends down the route after the reduce); None when the round has none within
+        ``timeout`` seconds."""
+        if round_id <= 0:
+            return None
+        end = self.clock() + timeout
+        with self._cond:
+            while True:
+                self._maybe_settle()
+                reason = self._not_ready(round_id, CENTER)
+                if reason is None:
+                    break
+                left = end - self.clock()
+                if reason.startswith("!") or left <= 0:
+                    return None
+                self._cond.wait(min(left, 0.2))
+            return self.digests.center(round_id, self.buffers[CENTER])  # it cannot move meanwhile
+
     def _not_ready(self, round_id: int, buffer: str) -> str | None:
         """None when ready; a reason to wait; a reason starting with '!' to give up."""
         if self.param_count is None:

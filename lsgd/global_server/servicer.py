@@ -99,7 +99,7 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
         self._journaled: tuple = (None, None)
         self.dumps = 0  # numbers every state taken: a restart goes on from the newest
         self.routes = Routes()  # PLANE=chain: data addresses and the leader's route (routes.py)
-        self.digest_wait = DIGEST_WAIT  # seconds a member's LeaderDigest waits for the source
+        self.digest_wait = DIGEST_WAIT  # seconds a member's Digest question waits for the source
 
     def state_dump(self) -> dict:
         """The coordinator's state, numbered (lock held)."""
@@ -397,8 +397,8 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
 
         return self._call(context, bypass)
 
-    def LeaderDigest(self, request: pb.LeaderDigestRequest,
-                     context: grpc.ServicerContext) -> pb.LeaderDigestResponse:
+    def Digest(self, request: pb.DigestRequest,
+                     context: grpc.ServicerContext) -> pb.DigestResponse:
         def who() -> int:
             self._check(request.node)
             index = request.node.node_index
@@ -406,6 +406,9 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
             if len(request.sha256) not in (0, DIGEST_SIZE):
                 raise ParamError("INVALID_ARGUMENT", f"a digest is {DIGEST_SIZE} bytes, got "
                                  f"{len(request.sha256)}")
+            if request.center and request.sha256:
+                raise ParamError("INVALID_ARGUMENT", "the center's digest is the server's own: "
+                                 "nobody registers it")
             if request.sha256:  # only the source of the round's leader route registers
                 r = self.routes.current
                 if r is None or r.round_id != request.round_id or r.reduce or r.route.root != index:
@@ -416,9 +419,12 @@ class GlobalServicer(pb_grpc.GlobalServerServicer):
 
         self._call(context, who)
         if request.sha256:
-            return pb.LeaderDigestResponse(sha256=request.sha256)
-        digest = self.params.digests.get(request.round_id, self.digest_wait)  # outside the lock
-        return pb.LeaderDigestResponse(sha256=digest or b"")
+            return pb.DigestResponse(sha256=request.sha256)
+        if request.center:  # outside the servicer's lock (the store has its own)
+            digest = self.params.center_digest(request.round_id, self.digest_wait)
+        else:
+            digest = self.params.digests.get(request.round_id, self.digest_wait)
+        return pb.DigestResponse(sha256=digest or b"")
 
     def Session(self, request_iterator: Iterator[pb.SessionRequest],
                 context: grpc.ServicerContext) -> Iterator[pb.SessionReply]:

@@ -121,6 +121,8 @@ class ChainMixin:
                     log.warning("round %d: the center did not reach every node of its route", rid)
             else:
                 vec = self.plane.receive()
+                if vec is not None and not self._verified(rid, vec, center=True):
+                    vec = None  # (forwarded already: each member below checks for itself)
         if vec is not None and not ops.all_finite(vec):
             log.warning("round %d: the center that came down the route is not finite; "
                         "downloading it from the server", rid)
@@ -158,7 +160,7 @@ class ChainMixin:
         for attempt in range(REGISTER_TRIES):
             try:
                 with self._network_call():
-                    self.client.leader_digest(rid, digest)
+                    self.client.digest(rid, digest)
                 break
             except grpc.RpcError as exc:
                 if attempt + 1 == REGISTER_TRIES or exc.code() in (
@@ -170,21 +172,23 @@ class ChainMixin:
                 time.sleep(0.2 * (attempt + 1))
         return self.plane.stage
 
-    def _verified(self, rid: int, vec: np.ndarray) -> bool:
-        """Whether ``vec``, whole from the route, is the leader its source registered."""
+    def _verified(self, rid: int, vec: np.ndarray, center: bool = False) -> bool:
+        """Whether ``vec``, whole from the route, is the leader its source registered (or the
+        center the server made)."""
+        what = "center" if center else "leader"
         try:
             with self._network_call():
-                want = self.client.leader_digest(rid)
+                want = self.client.digest(rid, center=center)
         except grpc.RpcError as exc:
             want, why = b"", f"its digest could not be had ({exc.details()})"
         else:
-            why = "its source registered no digest"
+            why = "the server has no digest of it"
         if want and sha256_of(vec) == want:
             return True
         if want:
-            why = "it is not the vector its source registered (SHA-256 differs)"
-        log.warning("round %d: the leader that came down the route is refused: %s; taking the "
-                    "server's", rid, why)
+            why = f"it is not the {what} the server vouches for (SHA-256 differs)"
+        log.warning("round %d: the %s that came down the route is refused: %s; taking the "
+                    "server's", rid, what, why)
         return False
 
     def _finish_send(self, rid: int) -> None:

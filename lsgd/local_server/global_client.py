@@ -242,14 +242,15 @@ class GlobalClient:
                                why=why.encode("ascii", "replace").decode()[:200], reduce=reduce)
         return self._stub.Bypass(req, timeout=RPC_TIMEOUT, metadata=self._md)
 
-    def leader_digest(self, round_id: int, sha256: bytes = b"") -> bytes:
+    def digest(self, round_id: int, sha256: bytes = b"", center: bool = False) -> bytes:
         """PLANE=chain: register the SHA-256 of the leader this node sends down round
-        ``round_id``'s route (its source), or, with none, ask for the one registered (empty:
-        none within the server's wait)."""
+        ``round_id``'s route (its source), or, with none, ask for the one registered, or with
+        ``center`` for the digest of the round's new center (empty: none within the server's
+        wait)."""
         from ..global_server.digests import WAIT
 
-        req = pb.LeaderDigestRequest(node=self._node(), round_id=round_id, sha256=sha256)
-        return self._stub.LeaderDigest(req, timeout=RPC_TIMEOUT + WAIT, metadata=self._md).sha256
+        req = pb.DigestRequest(node=self._node(), round_id=round_id, sha256=sha256, center=center)
+        return self._stub.Digest(req, timeout=RPC_TIMEOUT + WAIT, metadata=self._md).sha256
 
     def leave(self, consumed: int, late: int, stop_job: str = "",
               timeout: float = RPC_TIMEOUT) -> int:

@@ -330,17 +330,19 @@ class BypassRequest(_message.Message):
     reduce: bool
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., epoch: _Optional[int] = ..., stalled: _Optional[int] = ..., why: _Optional[str] = ..., reduce: _Optional[bool] = ...) -> None: ...
 
-class LeaderDigestRequest(_message.Message):
-    __slots__ = ("node", "round_id", "sha256")
+class DigestRequest(_message.Message):
+    __slots__ = ("node", "round_id", "sha256", "center")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
+    CENTER_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     round_id: int
     sha256: bytes
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., sha256: _Optional[bytes] = ...) -> None: ...
+    center: bool
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., sha256: _Optional[bytes] = ..., center: _Optional[bool] = ...) -> None: ...
 
-class LeaderDigestResponse(_message.Message):
+class DigestResponse(_message.Message):
     __slots__ = ("sha256",)
     SHA256_FIELD_NUMBER: _ClassVar[int]
     sha256: bytes

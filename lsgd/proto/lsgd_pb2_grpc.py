@@ -74,10 +74,10 @@ class GlobalServerStub:
                 request_serializer=lsgd__pb2.BypassRequest.SerializeToString,
                 response_deserializer=lsgd__pb2.DataRoute.FromString,
                 _registered_method=True)
-        self.LeaderDigest = channel.unary_unary(
-                '/lsgd.v1.GlobalServer/LeaderDigest',
-                request_serializer=lsgd__pb2.LeaderDigestRequest.SerializeToString,
-                response_deserializer=lsgd__pb2.LeaderDigestResponse.FromString,
+        self.Digest = channel.unary_unary(
+                '/lsgd.v1.GlobalServer/Digest',
+                request_serializer=lsgd__pb2.DigestRequest.SerializeToString,
+                response_deserializer=lsgd__pb2.DigestResponse.FromString,
                 _registered_method=True)
         self.Session = channel.stream_stream(
                 '/lsgd.v1.GlobalServer/Session',
@@ -148,11 +148,12 @@ class GlobalServerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def LeaderDigest(self, request, context):
+    def Digest(self, request, context):
         """PLANE=chain: the round's leader source registers the SHA-256 of the leader it sends down
         the route, before it sends; a member asks for it (waiting a few seconds at most) and keeps
         what came down the route only if it matches. The server refuses a leader upload that does
-        not match either.
+        not match either. With `center`, the digest of the round's new center, which the server
+        made and node 0 sends down the route after a reduce.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -211,10 +212,10 @@ def add_GlobalServerServicer_to_server(servicer, server):
                     request_deserializer=lsgd__pb2.BypassRequest.FromString,
                     response_serializer=lsgd__pb2.DataRoute.SerializeToString,
             ),
-            'LeaderDigest': grpc.unary_unary_rpc_method_handler(
-                    servicer.LeaderDigest,
-                    request_deserializer=lsgd__pb2.LeaderDigestRequest.FromString,
-                    response_serializer=lsgd__pb2.LeaderDigestResponse.SerializeToString,
+            'Digest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Digest,
+                    request_deserializer=lsgd__pb2.DigestRequest.FromString,
+                    response_serializer=lsgd__pb2.DigestResponse.SerializeToString,
             ),
             'Session': grpc.stream_stream_rpc_method_handler(
                     servicer.Session,
@@ -449,7 +450,7 @@ class GlobalServer:
             _registered_method=True)
 
     @staticmethod
-    def LeaderDigest(request,
+    def Digest(request,
             target,
             options=(),
             channel_credentials=None,
@@ -462,9 +463,9 @@ class GlobalServer:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/lsgd.v1.GlobalServer/LeaderDigest',
-            lsgd__pb2.LeaderDigestRequest.SerializeToString,
-            lsgd__pb2.LeaderDigestResponse.FromString,
+            '/lsgd.v1.GlobalServer/Digest',
+            lsgd__pb2.DigestRequest.SerializeToString,
+            lsgd__pb2.DigestResponse.FromString,
             options,
             channel_credentials,
             insecure,
