@@ -52,7 +52,7 @@ _KEY_LABEL = b"lsgd call signing key v1"
 _MAC_LABEL = b"lsgd-call-v1"
 _SESSION_LABEL = b"lsgd-session-v1"
 SESSION_METHOD = "/lsgd.v1.GlobalServer/Session"
-ACQUIRE_FIELD, REPORT_FIELD = 4, 5  # SessionRequest's call fields
+ACQUIRE_FIELD, REPORT_FIELD, DIGEST_FIELD = 4, 5, 7  # SessionRequest's call fields
 
 
 def derive_key(secret: str) -> bytes:
@@ -166,8 +166,9 @@ class Verifier:
     def check_message(self, nonce: bytes, request: object) -> str | None:
         """None if ``request``, a later message of the ``Session`` stream opened with ``nonce``,
         carries the MAC of its number and call; else why the stream is refused."""
-        field, body = ((ACQUIRE_FIELD, request.acquire) if request.acquire  # type: ignore[attr-defined]
-                       else (REPORT_FIELD, request.report))  # type: ignore[attr-defined]
+        calls = ((ACQUIRE_FIELD, request.acquire), (REPORT_FIELD, request.report),  # type: ignore[attr-defined]
+                 (DIGEST_FIELD, request.digest))  # type: ignore[attr-defined]
+        field, body = next(((f, b) for f, b in calls if b), (REPORT_FIELD, b""))
         mac = session_mac(self._key, nonce, request.n, field, body)  # type: ignore[attr-defined]
         if not hmac.compare_digest(mac, request.mac):  # type: ignore[attr-defined]
             return (f"session message {request.n} has no valid MAC: wrong job secret, or the "  # type: ignore[attr-defined]

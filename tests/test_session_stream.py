@@ -308,3 +308,34 @@ def test_session_streams_are_capped_and_a_stream_without_an_opening_is_cancelled
         channel.close()
     finally:
         srv.stop(grace=0.5).wait(5)
+
+
+@pytest.mark.parametrize("server", ["secret"], indirect=True)
+def test_a_digest_question_rides_the_stream_under_its_own_mac(server):
+    """PLANE=chain's Digest calls go on the node's stream, like its credit and round calls; a
+    MAC made for another call field does not pass for a digest."""
+    from lsgd.signing import DIGEST_FIELD
+
+    servicer, addr, security = server
+    servicer.digest_wait = 0.05
+    c, other = _joined(addr, security, 0), _joined(addr, security, 1)
+    assert c.digest(3) == b""  # no leader route here: nothing registered
+    assert c._stream is not None and servicer.admission.open_sessions == 1
+    assert servicer.calls.counts["Digest"] == 1
+    node, key, nonce = c._node(), derive_key(SECRET), os.urandom(16)
+    body = pb.DigestRequest(node=node, round_id=3).SerializeToString()
+    out, replies, ch = _raw_stream(addr, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out.put(pb.SessionRequest(n=1, digest=body, mac=session_mac(key, nonce, 1, ACQUIRE_FIELD, body)))
+    with pytest.raises(grpc.RpcError) as e:
+        next(replies)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "MAC" in e.value.details()
+    out.put(None)
+    ch.close()
+    nonce = os.urandom(16)
+    out, replies, ch = _raw_stream(addr, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out.put(pb.SessionRequest(n=1, digest=body, mac=session_mac(key, nonce, 1, DIGEST_FIELD, body)))
+    reply = next(replies)
+    assert reply.code == 0 and reply.HasField("digest") and reply.digest.sha256 == b""
+    out.put(None)
+    ch.close()
+    c.close(), other.close()

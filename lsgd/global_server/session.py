@@ -1,9 +1,10 @@
-"""The ``Session`` stream: a node loop's credit and round calls, one stream per node session.
+"""The ``Session`` stream: a node loop's credit, round and digest calls, one stream per node
+session.
 
 A unary call costs the server far more than a message on an open stream (HTTP/2 stream set-up,
 metadata, the interceptors, a thread hand-off: ``../shared/reference/limits.md``), and the node
 loop makes its calls one at a time anyway. So a node opens one stream and sends each
-``AcquireCredits`` / ``ReportRound`` on it; the server answers each with one reply.
+``AcquireCredits`` / ``ReportRound`` / ``Digest`` on it; the server answers each with one reply.
 
 - Message 0 opens the stream: the node and a 16-byte nonce. The stream's signature covers it;
   ``lsgd.security.CallCheck`` checks every later message's MAC (``lsgd.signing``).
@@ -56,12 +57,18 @@ class CallContext:
         return self._context.peer()
 
 
+# A message's call field -> (the method, its request type).
+CALLS = {"acquire": ("AcquireCredits", pb.AcquireCreditsRequest),
+         "report": ("ReportRound", pb.ReportRoundRequest),
+         "digest": ("Digest", pb.DigestRequest)}
+
+
 def opening_error(first: pb.SessionRequest | None) -> str | None:
     """Why ``first`` cannot open a session stream (None: it can)."""
     if first is None:
         return "a session stream opens with message 0"
     if (first.n != 0 or not first.HasField("node") or len(first.nonce) != NONCE_BYTES
-            or first.acquire or first.report):
+            or any(getattr(first, f) for f in CALLS)):
         return (f"a session stream opens with message 0: the node and a {NONCE_BYTES}-byte "
                 "nonce, and no call")
     return None
@@ -98,19 +105,26 @@ def serve(servicer: "GlobalServicer", requests: Iterator[pb.SessionRequest],
             yield pb.SessionReply(n=req.n, code=r.code.value[0], details=r.details)
 
 
+def _fields(req: pb.SessionRequest) -> list[str]:
+    return [f for f in CALLS if getattr(req, f)]
+
+
 def _method(req: pb.SessionRequest) -> str:
-    return "AcquireCredits" if req.acquire else "ReportRound"
+    fields = _fields(req)
+    return CALLS[fields[0]][0] if fields else "ReportRound"
 
 
 def _answer(servicer: "GlobalServicer", node: pb.NodeId, req: pb.SessionRequest,
             ctx: CallContext) -> tuple[str, object]:
     """The reply's field and the call's answer; ``Refused`` when it is refused."""
-    if bool(req.acquire) == bool(req.report):
+    fields = _fields(req)
+    if len(fields) != 1:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"session message {req.n} must carry exactly one call")
-    kind = pb.AcquireCreditsRequest if req.acquire else pb.ReportRoundRequest
+    field = fields[0]
+    method, kind = CALLS[field]
     try:
-        call = kind.FromString(req.acquire or req.report)
+        call = kind.FromString(getattr(req, field))
     except DecodeError:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"session message {req.n}: its call does not parse") from None
@@ -119,6 +133,4 @@ def _answer(servicer: "GlobalServicer", node: pb.NodeId, req: pb.SessionRequest,
                       f"session message {req.n} is for node {call.node.node_index} session "
                       f"{call.node.session}; this stream is node {node.node_index} session "
                       f"{node.session}'s (open a stream per session)")
-    if req.acquire:
-        return "acquire", servicer.AcquireCredits(call, ctx)
-    return "report", servicer.ReportRound(call, ctx)
+    return field, getattr(servicer, method)(call, ctx)

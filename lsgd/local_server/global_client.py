@@ -118,7 +118,7 @@ class GlobalClient:
                 self._stream = None
 
     def _on_stream(self, field: str, request, timeout: float):  # noqa: ANN001, ANN201
-        """Make a credit ("acquire") or round ("report") call on this session's stream,
+        """Make a credit ("acquire"), round ("report") or digest ("digest") call on this session's stream,
         opening one first if there is none (or it broke, or the session changed). One call at
         a time (the node loop's); ``close`` from another thread ends a call in progress."""
         with self._stream_lock:
@@ -250,7 +250,7 @@ class GlobalClient:
         from ..global_server.digests import WAIT
 
         req = pb.DigestRequest(node=self._node(), round_id=round_id, sha256=sha256, center=center)
-        return self._stub.Digest(req, timeout=RPC_TIMEOUT + WAIT, metadata=self._md).sha256
+        return self._on_stream("digest", req, RPC_TIMEOUT + WAIT).sha256
 
     def leave(self, consumed: int, late: int, stop_job: str = "",
               timeout: float = RPC_TIMEOUT) -> int:

@@ -22,9 +22,9 @@ from typing import Iterator
 import grpc
 
 from ..proto import lsgd_pb2 as pb
-from ..signing import ACQUIRE_FIELD, REPORT_FIELD, session_mac
+from ..signing import ACQUIRE_FIELD, DIGEST_FIELD, REPORT_FIELD, session_mac
 
-FIELDS = {"acquire": ACQUIRE_FIELD, "report": REPORT_FIELD}
+FIELDS = {"acquire": ACQUIRE_FIELD, "report": REPORT_FIELD, "digest": DIGEST_FIELD}
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -64,7 +64,7 @@ class SessionStream:
             yield msg
 
     def call(self, field: str, body: bytes, timeout: float):  # noqa: ANN201 - the answer message
-        """Send one call (``field``: "acquire" or "report", ``body``: the serialized request)
+        """Send one call (``field``: "acquire", "report" or "digest"; ``body``: the serialized request)
         and return its answer; ``grpc.RpcError`` when it fails."""
         if self.broken:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the session stream is closed")

@@ -421,31 +421,35 @@ class LeaveResponse(_message.Message):
     def __init__(self, counter: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("n", "node", "nonce", "acquire", "report", "mac")
+    __slots__ = ("n", "node", "nonce", "acquire", "report", "mac", "digest")
     N_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     n: int
     node: NodeId
     nonce: bytes
     acquire: bytes
     report: bytes
     mac: bytes
-    def __init__(self, n: _Optional[int] = ..., node: _Optional[_Union[NodeId, _Mapping]] = ..., nonce: _Optional[bytes] = ..., acquire: _Optional[bytes] = ..., report: _Optional[bytes] = ..., mac: _Optional[bytes] = ...) -> None: ...
+    digest: bytes
+    def __init__(self, n: _Optional[int] = ..., node: _Optional[_Union[NodeId, _Mapping]] = ..., nonce: _Optional[bytes] = ..., acquire: _Optional[bytes] = ..., report: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("n", "acquire", "report", "code", "details")
+    __slots__ = ("n", "acquire", "report", "code", "details", "digest")
     N_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
     n: int
     acquire: AcquireCreditsResponse
     report: ReportRoundResponse
     code: int
     details: str
-    def __init__(self, n: _Optional[int] = ..., acquire: _Optional[_Union[AcquireCreditsResponse, _Mapping]] = ..., report: _Optional[_Union[ReportRoundResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
+    digest: DigestResponse
+    def __init__(self, n: _Optional[int] = ..., acquire: _Optional[_Union[AcquireCreditsResponse, _Mapping]] = ..., report: _Optional[_Union[ReportRoundResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., digest: _Optional[_Union[DigestResponse, _Mapping]] = ...) -> None: ...

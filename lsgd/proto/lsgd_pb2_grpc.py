@@ -160,7 +160,7 @@ class GlobalServerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Session(self, request_iterator, context):
-        """The node loop's AcquireCredits and ReportRound calls, one at a time, on one stream per node
+        """The node loop's AcquireCredits, ReportRound and Digest calls, one at a time, on one stream per node
         session (a message costs the server less than a unary call). The first request opens it;
         each later one carries one call and gets one reply: its answer, or the status that refused
         it (a refused call refuses that call, not the stream).
