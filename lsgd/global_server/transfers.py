@@ -1,0 +1,197 @@
+"""The global server's calls that move parameters: uploads and downloads of the leader, the
+center, sums, deltas and mail, and PLANE=chain's bypasses and digests (a mixin of
+``GlobalServicer``, ``servicer.py``, whose lock, coordinator and store they use).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Iterator
+
+import grpc
+
+from ..proto import lsgd_pb2 as pb
+from .buffers import DELTA, MAIL
+from .coordinator import CoordinatorError
+from .digests import SIZE as DIGEST_SIZE
+from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, _wire_dtype
+
+BUFFERS = {pb.BUFFER_KIND_GLOBAL_LEADER: LEADER, pb.BUFFER_KIND_CENTER: CENTER,
+           pb.BUFFER_KIND_NODE_SUM: SUM, pb.BUFFER_KIND_AVERAGE: AVERAGE,
+           pb.BUFFER_KIND_CENTER_DELTA: DELTA, pb.BUFFER_KIND_MAIL: MAIL}
+PULLABLE = {LEADER, CENTER, AVERAGE, MAIL}
+WIRES = {pb.WIRE_FORMAT_UNSPECIFIED: "float32", pb.WIRE_FORMAT_BFLOAT16: "bfloat16"}
+DEFAULT_CHUNK = 1 << 17  # elements per download chunk when the client names none (512 KiB)
+MAX_CHUNK = 1 << 20  # 4 MiB of float32: within the 8 MiB message limit
+
+
+def _abort(context: grpc.ServicerContext, exc: CoordinatorError | ParamError) -> None:
+    context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+
+
+class TransferRPCs:
+    """Parameter-moving RPCs of ``GlobalServicer`` (its state lives there)."""
+
+    def Bypass(self, request: pb.BypassRequest, context: grpc.ServicerContext) -> pb.DataRoute:
+        def bypass() -> pb.DataRoute:
+            self._check(request.node)
+            index = request.node.node_index
+            self.coord._node(index, request.node.session, self.clock())
+            before = self.routes.current
+            if request.reduce and self.params.settled(request.round_id):
+                raise CoordinatorError("FAILED_PRECONDITION", f"the reduce of round "
+                                       f"{request.round_id} is over")
+            try:
+                info = self.routes.bypass(index, request.round_id, request.epoch,
+                                          request.stalled, request.why, request.reduce)
+            except CoordinatorError as exc:
+                if exc.code == "ABORTED":  # a reduce: the round's exchange is skipped now
+                    self.params.fail(request.round_id, str(exc))
+                raise
+            if (before is not None and info is not before
+                    and info.feeds_server != before.feeds_server
+                    and not self.params.reassign_upload(request.round_id, LEADER,
+                                                        before.feeds_server, index)):
+                info = self.routes.current = replace(info, feeds_server=before.feeds_server)
+            return self.routes.message(info)
+
+        return self._call(context, bypass)
+
+    def Digest(self, request: pb.DigestRequest,
+                     context: grpc.ServicerContext) -> pb.DigestResponse:
+        def who() -> int:
+            self._check(request.node)
+            index = request.node.node_index
+            self.coord._node(index, request.node.session, self.clock())
+            if len(request.sha256) not in (0, DIGEST_SIZE):
+                raise ParamError("INVALID_ARGUMENT", f"a digest is {DIGEST_SIZE} bytes, got "
+                                 f"{len(request.sha256)}")
+            if request.center and request.sha256:
+                raise ParamError("INVALID_ARGUMENT", "the center's digest is the server's own: "
+                                 "nobody registers it")
+            if request.sha256:  # only the source of the round's leader route registers
+                r = self.routes.current
+                if r is None or r.round_id != request.round_id or r.reduce or r.route.root != index:
+                    raise CoordinatorError("PERMISSION_DENIED", f"node {index} is not the "
+                                           f"source of round {request.round_id}'s leader route")
+                self.params.digests.register(request.round_id, bytes(request.sha256))
+            return index
+
+        self._call(context, who)
+        if request.sha256:
+            return pb.DigestResponse(sha256=request.sha256)
+        if request.center:  # outside the servicer's lock (the store has its own)
+            digest = self.params.center_digest(request.round_id, self.digest_wait)
+        else:
+            digest = self.params.digests.get(request.round_id, self.digest_wait)
+        return pb.DigestResponse(sha256=digest or b"")
+
+    def PushParams(self, request_iterator: Iterator[pb.PushParamsRequest],
+                   context: grpc.ServicerContext) -> pb.PushParamsResponse:
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("header"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an upload starts with a header")
+        h = first.header
+        buffer = BUFFERS.get(h.buffer)
+        if buffer is None or buffer == AVERAGE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot upload buffer {h.buffer}")
+        wire = WIRES.get(h.wire_format)
+        if wire is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown wire format {h.wire_format}")
+        self._call(context, lambda: (self._check(h.node),
+                                     self.coord.heartbeat(h.node.node_index, h.node.session,
+                                                          self.clock())))
+
+        received = 0
+
+        def chunks() -> Iterator[tuple[int, bytes]]:
+            nonlocal received
+            for req in request_iterator:
+                if not req.HasField("chunk"):
+                    raise ParamError("INVALID_ARGUMENT", "only chunks may follow the header")
+                received += len(req.chunk.data)
+                yield req.chunk.offset, req.chunk.data
+
+        try:
+            if buffer == MAIL:
+                self._post_mail(h, chunks(), wire)
+            elif buffer == DELTA:
+                if self.params.rule.synchronous:
+                    raise ParamError("FAILED_PRECONDITION", f"rule {self.params.rule.name} is "
+                                     "synchronous: it takes no center deltas")
+                self.params.push_delta(h.node.node_index, h.node.session, h.round_id,
+                                       h.param_count, chunks(), _wire_dtype(wire))
+            else:
+                self.params.push(h.node.node_index, h.round_id, buffer, h.param_count,
+                                 h.summands, chunks(), wire=wire, weight=h.weight)
+        except ParamError as exc:
+            _abort(context, exc)
+        finally:
+            self.stats.moved(received=received)
+        return pb.PushParamsResponse()
+
+    def PullParams(self, request: pb.PullParamsRequest,
+                   context: grpc.ServicerContext) -> Iterator[pb.ParamChunk]:
+        buffer = BUFFERS.get(request.buffer)
+        if buffer not in PULLABLE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot download buffer {request.buffer}")
+        wire = WIRES.get(request.wire_format)
+        if wire is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown wire format {request.wire_format}")
+        self._call(context, lambda: (self._check(request.node),
+                                     self.coord.heartbeat(request.node.node_index,
+                                                          request.node.session, self.clock())))
+        chunk = request.chunk_elements or DEFAULT_CHUNK
+        if not 1 <= chunk <= MAX_CHUNK:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
+        if buffer == MAIL:
+            yield from self._deliver_mail(request, chunk, context)
+            return
+        sent = 0
+        try:
+            for offset, data in self.params.pull(request.round_id, buffer, chunk,
+                                                 timeout=self.round_timeout, wire=wire):
+                yield pb.ParamChunk(offset=offset, data=data)
+                sent += len(data)
+        except ParamError as exc:
+            _abort(context, exc)
+        finally:
+            self.stats.moved(sent=sent)
+
+    def _post_mail(self, h: pb.PushHeader, chunks, wire: str) -> None:
+        """A gossip rule's mail for a random other node (``mail.py``)."""
+        if not getattr(self.params.rule, "gossip", False) or self.params.mail is None:
+            raise ParamError("FAILED_PRECONDITION", f"rule {self.params.rule.name} sends no mail")
+        if h.param_count != self.params.param_count:
+            raise ParamError("INVALID_ARGUMENT", f"mail of {h.param_count} parameters; the "
+                             f"job's model has {self.params.param_count}")
+        with self.cond:
+            live = [n.index for n in self.coord.live_nodes]
+        self.params.mail.post(h.node.node_index, h.node.session, h.round_id, h.weight, live,
+                              chunks, _wire_dtype(wire))
+
+    def _deliver_mail(self, request: pb.PullParamsRequest, chunk: int,
+                      context: grpc.ServicerContext) -> Iterator[pb.ParamChunk]:
+        """This node's mail, delivery ``round_id`` (``mail.py``); float32 on the wire."""
+        try:
+            if not getattr(self.params.rule, "gossip", False) or self.params.mail is None:
+                raise ParamError("FAILED_PRECONDITION", f"rule {self.params.rule.name} sends no mail")
+            if request.wire_format != pb.WIRE_FORMAT_UNSPECIFIED:
+                raise ParamError("INVALID_ARGUMENT", "mail is sent as float32")
+            vec, weight = self.params.mail.take(request.node.node_index, request.node.session,
+                                                request.round_id)
+        except ParamError as exc:
+            _abort(context, exc)
+        if vec is None:
+            yield pb.ParamChunk(offset=0, data=b"", weight=0.0)
+            return
+        sent = 0
+        try:
+            for lo in range(0, vec.size, chunk):
+                data = vec[lo : lo + chunk].tobytes()
+                yield pb.ParamChunk(offset=lo, data=data, weight=weight if lo == 0 else 0.0)
+                sent += len(data)
+        finally:
+            self.stats.moved(sent=sent)
