@@ -78,7 +78,7 @@ class JobConfig:
                     "chain (node to node, each forwarding as it receives: LSGD's leader goes down "
                     "a chain, the center rules' sums add up along one toward node 0)")
     plane_fanout: int = _f(1, "PLANE=chain: chains a global round's broadcast (the leader) is cut "
-                           "into, each fed by its source: 1 is one chain, the fastest while "
+                           "into, 1..64, each fed by its source: 1 is one chain, the fastest while "
                            "the route is short; more trade the source's bandwidth (1/fanout "
                            "each) for a shallower route, for hundreds of nodes. Sums always "
                            "add up along one chain")
@@ -225,6 +225,9 @@ class JobConfig:
              f"plane '{self.plane}' is unknown; choose star or chain")
         need(0 <= self.data_port <= 65535, f"data_port must be in 0..65535, got {self.data_port}")
         need(1 <= self.plane_fanout <= 64, f"plane_fanout must be in 1..64, got {self.plane_fanout}")
+        need(self.plane_fanout == 1 or self.plane == "chain", "plane_fanout cuts a PLANE=chain "
+             f"broadcast into chains; with plane {self.plane} it does nothing: set PLANE=chain, "
+             "or leave PLANE_FANOUT at 1")
         if self.plane != "chain":
             return
         need(self.wire == "float32", "PLANE=chain forwards float32 only for now; set WIRE=float32")

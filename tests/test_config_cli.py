@@ -38,6 +38,7 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("PLANE", "chain"), ("DATA_HOST", "node-1")), "data_host 'node-1' is not an IP address"),
     ((("PLANE", "chain"), ("DATA_PORT", "70000")), "data_port must be in 0..65535, got 70000"),
     ((("PLANE_FANOUT", "0"),), "plane_fanout must be in 1..64, got 0"),
+    ((("PLANE_FANOUT", "2"),), "with plane star it does nothing: set PLANE=chain"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

@@ -20,7 +20,8 @@ def test_worker_i_gets_gpu_i_mod_n_and_the_evaluator_worker_0s():
     assert [gpus.for_worker(four, i) for i in range(6)] == ["0", "1", "2", "3", "0", "1"]
     assert gpus.for_worker(four, -1) == "0"  # the evaluator
     two = gpus.node_gpus("", {}, count=2)
-    assert gpus.describe(two, 3).startswith("workers on GPUs 0, 1, 0 (")
+    assert gpus.describe(two, 3) == ("workers on GPUs 0, 1, 0 (local worker i on GPU i mod 2; "
+                                     "set DEVICES to choose)")
 
 
 def test_devices_overrides_then_the_nodes_own_visible_list_then_every_gpu():
@@ -34,6 +35,18 @@ def test_devices_overrides_then_the_nodes_own_visible_list_then_every_gpu():
     assert gpus.node_gpus("", {}, count=0) is None  # a CPU machine: nothing is set
     assert gpus.node_gpus("all", env, count=8) is None  # every worker sees every GPU
     assert gpus.for_worker(None, 3) is None and gpus.describe(None, 2) is None
+    # as CUDA reads it: up to the first entry that is not a GPU (-1 hides every GPU)
+    assert gpus.node_gpus("", {"CUDA_VISIBLE_DEVICES": "-1"}, count=8) is None
+    assert gpus.node_gpus("", {"CUDA_VISIBLE_DEVICES": "2,x,3"}, count=8) == ["2"]
+    assert "sees no GPU" in gpus.check("0", {"CUDA_VISIBLE_DEVICES": "-1"})
+
+
+def test_devices_naming_gpus_the_node_does_not_have_is_said_at_start():
+    assert gpus.unseen("7", {}, count=0) == ("DEVICES names GPU 7 but this node sees no GPU: "
+                                             "its workers will find no GPU there")
+    assert "sees 2 GPUs" in gpus.unseen("0,2", {}, count=2)
+    assert gpus.unseen("0,1", {}, count=2) is None and gpus.unseen("", {}, count=0) is None
+    assert gpus.unseen("5", {"CUDA_VISIBLE_DEVICES": "4,5"}, count=0) is None  # checked by check()
 
 
 def test_gpus_are_counted_by_nvidia_smi_else_from_the_driver(tmp_path):
@@ -103,7 +116,7 @@ def test_each_worker_process_sees_its_gpu_and_a_respawned_one_the_same(cluster, 
     assert node.wait(60) == 0, node.output
     got = {p.stem: json.loads(p.read_text()) for p in seen.glob("*.json")}
     assert got == {"0-0": "5", "1-0": "7", "2-0": "5", "1-1": "7", "evaluator": "5"}, got
-    assert "workers on GPUs 5, 7, 5 (local worker i on GPU i mod 2" in node.output
+    assert "workers on GPUs 5, 7, 5 (local worker i on GPU i mod 2; from DEVICES)" in node.output
 
 
 def test_devices_indices_count_the_gpus_the_node_sees():

@@ -363,6 +363,30 @@ def test_a_member_with_no_chunk_for_a_while_stops_waiting_and_takes_nothing(monk
         b.close()
 
 
+def test_a_member_waiting_on_its_route_stops_as_soon_as_it_hears_the_job_stopped():
+    """Ctrl-C on node 0 mid-transfer: a member told of the stop (any answer from the server)
+    stops waiting at once, not after RECEIVE_STALL."""
+    from lsgd.local_server.global_client import GlobalClient
+
+    (a, b), info, calls = local_planes(2)
+    client = GlobalClient("127.0.0.1:1", "job", 1, round_timeout=5.0)
+    told = []
+    client.on_stopped = lambda why: (told.append(why), b.stop(f"the job stopped ({why})"))
+    try:
+        b.begin(info)  # its sender (node 0) never sends: it was interrupted
+        threading.Timer(0.3, client._note_stop, ["job stopped on node 0: interrupted"]).start()
+        t0 = time.monotonic()
+        assert b.receive() is None
+        assert time.monotonic() - t0 < 2 and b.stats["failed"] == 1
+        client._note_stop("again")  # told once
+        assert told == ["job stopped on node 0: interrupted"]
+        assert client.stopped == "job stopped on node 0: interrupted"
+    finally:
+        client.close()
+        a.close()
+        b.close()
+
+
 def test_a_bypass_of_the_member_feeding_the_server_moves_the_upload_to_the_reporter():
     from lsgd.config import JobConfig
     from lsgd.global_server.params import LEADER, ParamStore

@@ -240,7 +240,7 @@ def test_a_job_over_mutual_tls_with_a_secret(cluster, certs, tmp_path):
     (tmp_path / "wrong").write_text("w" * 64)
     bad = cluster(1, PORT=port, TLS_CERT=d / "node1.pem", TLS_KEY=d / "node1-key.pem",
                   **(knobs | {"SECRET_FILE": tmp_path / "wrong"}))
-    assert bad.wait(60) == 1
+    assert bad.wait(60) == 2  # a configuration error
     assert "UNAUTHENTICATED" in bad.output and "job secret" in bad.output
     # a node that presents node 0's certificate cannot join as node 1
     bad = cluster(1, PORT=port, TLS_CERT=d / "node0.pem", TLS_KEY=d / "node0-key.pem", **knobs)

@@ -62,6 +62,8 @@ class ChainMixin:
                                 f"({exc.strerror or exc}); set DATA_PORT to a free port (0: any) "
                                 "or DATA_HOST to an address of this machine") from None
         self.client.data_address = self.plane.address
+        plane = self.plane
+        self.client.on_stopped = lambda why: plane.stop(f"the job stopped ({why})")
         log.info("data listener at %s (PLANE=chain)", self.plane.address)
 
     def _stop_plane(self) -> None:

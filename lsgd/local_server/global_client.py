@@ -95,6 +95,7 @@ class GlobalClient:
         self._seq = 0  # credit requests (and reattaching joins) numbered per session
         self._join_seq = 0  # the number of a reattach not answered yet
         self.stopped = ""  # non-empty once an answer said the job was stopped (the reason)
+        self.on_stopped: Callable[[str], None] | None = None  # told once, from the answer's thread
         self.data_address = ""  # PLANE=chain: this node's data listener, told at every join
         self.answered_at = -math.inf  # when a credit or round call was last answered (monotonic)
         security = security or Security()
@@ -116,6 +117,12 @@ class GlobalClient:
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
+
+    def _note_stop(self, reason: str) -> None:
+        if reason and not self.stopped:
+            self.stopped = reason
+            if self.on_stopped is not None:
+                self.on_stopped(reason)
 
     def _on_stream(self, field: str, request, timeout: float):  # noqa: ANN001, ANN201
         """Make a credit ("acquire"), round ("report") or digest ("digest") call on this session's stream,
@@ -192,7 +199,7 @@ class GlobalClient:
         if report is not None:
             req.report.CopyFrom(report)
         resp = self._stub.Heartbeat(req, timeout=RPC_TIMEOUT, metadata=self._md)
-        self.stopped = self.stopped or resp.stopped
+        self._note_stop(resp.stopped)
         return resp
 
     @property
@@ -214,7 +221,7 @@ class GlobalClient:
                                      used_ms=used_ms),
             RPC_TIMEOUT)
         self.answered_at = time.monotonic()
-        self.stopped = self.stopped or resp.stopped
+        self._note_stop(resp.stopped)
         return CreditAnswer(resp.grant, resp.round.id, resp.round.kind, resp.round.iteration,
                             resp.counter)
 
@@ -228,7 +235,7 @@ class GlobalClient:
             req.best.loss = best.loss
         resp = self._on_stream("report", req, self.round_timeout + RPC_TIMEOUT)
         self.answered_at = time.monotonic()
-        self.stopped = self.stopped or resp.stopped
+        self._note_stop(resp.stopped)
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
         return RoundAnswer(resp.missed, leader, resp.leader_node if resp.has_leader else None,
                            resp.participants, tuple(resp.nodes), resp.evaluate, resp.checkpoint,

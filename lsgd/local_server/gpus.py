@@ -43,8 +43,8 @@ def check(devices: str, environ: Mapping[str, str] = os.environ) -> str | None:
             return (f"devices entry '{e.strip()[:40]}' is not a GPU: give indices or GPU-/MIG- "
                     f"UUIDs separated by commas, e.g. 0,1 (or 'all', or empty for every GPU)")
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        seen = [v for v in visible.split(",") if v.strip()]
+    seen = visible_list(environ)
+    if visible is not None and seen is not None:
         for e in entries:
             if e.strip().isdigit() and int(e) >= len(seen):
                 return (f"devices entry {e.strip()} counts the GPUs this node sees, and it sees "
@@ -77,13 +77,26 @@ def machine_gpus(proc: Path = PROC_GPUS, smi: str | None = "nvidia-smi",
         return 0
 
 
+def visible_list(environ: Mapping[str, str] = os.environ) -> list[str] | None:
+    """The GPUs the node's ``CUDA_VISIBLE_DEVICES`` names, as CUDA reads it: up to its first
+    entry that is not a GPU (``-1`` hides them all); None when it is not set."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return None
+    seen: list[str] = []
+    for e in visible.split(","):
+        if not _ENTRY.fullmatch(e.strip()):
+            break
+        seen.append(e.strip())
+    return seen
+
+
 def node_gpus(devices: str, environ: Mapping[str, str] = os.environ,
               count: int | None = None) -> list[str] | None:
     """The node's GPUs in worker order; None: leave the workers' environment as it is."""
     if devices == ALL:
         return None
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
-    seen = [e.strip() for e in visible.split(",") if e.strip()] if visible is not None else None
+    seen = visible_list(environ)
     if devices:
         wanted = [e.strip() for e in devices.split(",")]
         # an index counts the GPUs this node sees, as cuda:0, cuda:1, ... would
@@ -103,9 +116,25 @@ def for_worker(gpus: list[str] | None, local_index: int) -> str | None:
     return gpus[max(local_index, 0) % len(gpus)]
 
 
-def describe(gpus: list[str] | None, workers: int) -> str | None:
+def describe(gpus: list[str] | None, workers: int, devices: str = "") -> str | None:
     """One line for the node's log, e.g. ``workers on GPUs 0, 1, 0, 1 (...)``."""
     if not gpus:
         return None
     each = ", ".join(for_worker(gpus, i) or "" for i in range(workers))
-    return f"workers on GPUs {each} (local worker i on GPU i mod {len(gpus)}; DEVICES overrides)"
+    how = "from DEVICES" if devices else "set DEVICES to choose"
+    return f"workers on GPUs {each} (local worker i on GPU i mod {len(gpus)}; {how})"
+
+
+def unseen(devices: str, environ: Mapping[str, str] = os.environ,
+           count: int | None = None) -> str | None:
+    """Why ``DEVICES`` names GPUs this node does not have, where that can be told (None: it
+    does, or there is no telling)."""
+    if devices in ("", ALL) or visible_list(environ) is not None:
+        return None  # indices within CUDA_VISIBLE_DEVICES are checked at start (check())
+    n = machine_gpus() if count is None else count
+    beyond = [e for e in devices.split(",") if e.strip().isdigit() and int(e) >= n]
+    if not beyond:
+        return None
+    sees = f"{n} GPU{'s' if n != 1 else ''}" if n else "no GPU"
+    return (f"DEVICES names GPU {beyond[0].strip()} but this node sees {sees}: its workers "
+            "will find no GPU there")

@@ -210,8 +210,10 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
     def _start_workers(self) -> None:
         reclaim_semaphores(self.dir)  # of a run of this node killed outright, before ours exist
         self.gpus = gpus.node_gpus(self.cfg.devices or "")
-        if (line := gpus.describe(self.gpus, self.cfg.workers)) is not None:
+        if (line := gpus.describe(self.gpus, self.cfg.workers, self.cfg.devices or "")) is not None:
             log.info("node %d: %s", self.cfg.node_index, line)
+        if (why := gpus.unseen(self.cfg.devices or "")) is not None:
+            log.warning("node %d: %s", self.cfg.node_index, why)
         for i in range(self.cfg.workers):
             proc, replies = self._spawn(i, evaluator=False, name=f"worker-{self.cfg.worker_id(i)}", restarts=0)
             self.workers.append(WorkerState(i, self.cfg.worker_id(i), proc, replies, time.monotonic()))
@@ -457,9 +459,11 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
             if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(FINISHING):
                 raise JoinedTooLate("the job was finishing when this node joined: nothing was "
                                     "left for it to do") from None
-            if (exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)
+            if (exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
+                               grpc.StatusCode.UNAUTHENTICATED)  # (a missing or wrong secret)
                     and stop_reason_of(exc) is None):
-                raise JoinRefused(f"the global server refused this node: {details}") from None
+                raise JoinRefused(f"the global server refused this node: {details} "
+                                  f"({exc.code().name})") from None
             raise
         self._joined(resp.session, resp.counter)
         self.view.on_counter(resp.counter)

@@ -186,6 +186,16 @@ class DataPlane:
         log.warning("round %d: %s (route epoch %d)", t.info.round_id, t.failed, t.info.route.epoch)
         return None
 
+    def stop(self, why: str) -> None:
+        """End this node's part of the transfer in progress (the job stopped): a wait on it
+        returns at once, as if it had failed, and its senders stop."""
+        with self.cond:
+            t = self.current
+            if t is not None and t.failed is None:
+                t.failed = why
+                t.reception.close(why)
+            self.cond.notify_all()
+
     @property
     def feeds_server(self) -> int | None:
         """The member that uploads this round's leader to the server (a bypass may change it)."""
