@@ -394,19 +394,12 @@ class ParamStore(DeltaMixin, SavedParams):
         """
         dtype = _wire_dtype(wire)
         steady_heap()
-        end = self.clock() + timeout
         with self._cond:
-            while True:
-                self._maybe_settle()
-                reason = self._not_ready(round_id, buffer)
-                if reason is None:
-                    break
-                if reason.startswith("!"):
-                    raise ParamError("FAILED_PRECONDITION", reason[1:])
-                left = end - self.clock()
-                if left <= 0:
-                    raise ParamError("DEADLINE_EXCEEDED", f"{buffer} not ready: {reason}")
-                self._cond.wait(min(left, 0.2))
+            reason = self._wait_ready(round_id, buffer, timeout)
+            if reason is not None and reason.startswith("!"):
+                raise ParamError("FAILED_PRECONDITION", reason[1:])
+            if reason is not None:
+                raise ParamError("DEADLINE_EXCEEDED", f"{buffer} not ready: {reason}")
             version = self.versions.get(buffer)
         src = self.buffers[SUM if buffer == AVERAGE else buffer]
         stage = None if dtype == src.dtype else aligned_empty(min(chunk, src.size), dtype)
@@ -427,18 +420,22 @@ class ParamStore(DeltaMixin, SavedParams):
         ``timeout`` seconds."""
         if round_id <= 0:
             return None
-        end = self.clock() + timeout
         with self._cond:
-            while True:
-                self._maybe_settle()
-                reason = self._not_ready(round_id, CENTER)
-                if reason is None:
-                    break
-                left = end - self.clock()
-                if reason.startswith("!") or left <= 0:
-                    return None
-                self._cond.wait(min(left, 0.2))
+            if self._wait_ready(round_id, CENTER, timeout) is not None:
+                return None
             return self.digests.center(round_id, self.buffers[CENTER])  # it cannot move meanwhile
+
+    def _wait_ready(self, round_id: int, buffer: str, timeout: float) -> str | None:
+        """Wait (lock held) up to ``timeout`` seconds for ``buffer`` of ``round_id``: None when
+        it is ready, else why not (starting with '!': it never will be)."""
+        end = self.clock() + timeout
+        while True:
+            self._maybe_settle()
+            reason = self._not_ready(round_id, buffer)
+            left = end - self.clock()
+            if reason is None or reason.startswith("!") or left <= 0:
+                return reason
+            self._cond.wait(min(left, 0.2))
 
     def _not_ready(self, round_id: int, buffer: str) -> str | None:
         """None when ready; a reason to wait; a reason starting with '!' to give up."""

@@ -42,9 +42,9 @@ def check(devices: str, environ: Mapping[str, str] = os.environ) -> str | None:
         if not _ENTRY.fullmatch(e.strip()):
             return (f"devices entry '{e.strip()[:40]}' is not a GPU: give indices or GPU-/MIG- "
                     f"UUIDs separated by commas, e.g. 0,1 (or 'all', or empty for every GPU)")
-    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "")
     seen = visible_list(environ)
-    if visible is not None and seen is not None:
+    if seen is not None:
         for e in entries:
             if e.strip().isdigit() and int(e) >= len(seen):
                 return (f"devices entry {e.strip()} counts the GPUs this node sees, and it sees "
