@@ -35,6 +35,9 @@ class JobConfig:
     node_index: int = _f(0, "index of this node, 0 .. num_groups-1 (node 0 hosts the global server)")
     ip_addr: str = _f("127.0.0.1", "address of node 0, where the global server listens")
     port: int = _f(50051, "global server port (0: any free port, written to RUN_DIR/global.port)")
+    session_port: int | None = _f(None, "the global server's port for the nodes' session streams "
+                                  "(their credit and round calls; an asyncio server): empty = "
+                                  "PORT+2 (any free port when PORT is 0), 0 = off (on PORT)")
     num_groups: int = _f(1, "number of nodes in the job")
     workers: int = _f(2, "worker processes per node")
     algorithm: str = _f("lsgd", "training rule: lsgd | easgd | average | diloco | grawa | "
@@ -137,6 +140,12 @@ class JobConfig:
              f"use 0 .. {self.num_groups - 1}")
         need(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
         need(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
+        need(self.session_port is None or 0 <= self.session_port <= 65535,
+             f"session_port must be in 0..65535 (0: off), got {self.session_port}")
+        need(not self.session_address or self.session_address not in (self.port,
+                                                                       self.status_address),
+             f"session_port {self.session_address} (SESSION_PORT; empty: PORT+2) is also PORT or "
+             "STATUS_PORT; give each its own port")
         need(self.status_port is None or 0 <= self.status_port <= 65535,
              f"status_port must be in 0..65535 (0: off), got {self.status_port}")
         need(self.progress_every >= 0 and math.isfinite(self.progress_every),
@@ -281,6 +290,16 @@ class JobConfig:
         (compared by the global server when a node joins)."""
         args = ",".join(sorted(p.strip() for p in self.rule_args.split(",") if p.strip()))
         return f"{self.algorithm} ({args})" if args else self.algorithm
+
+    @property
+    def session_address(self) -> int | None:
+        """The port of the nodes' session streams (asyncio server): None when off (the nodes
+        use ``port``), 0 for any free port."""
+        if self.session_port == 0:
+            return None
+        if self.session_port is None:
+            return 0 if self.port == 0 else (self.port + 2 if self.port < 65534 else 0)
+        return self.session_port
 
     @property
     def status_address(self) -> int | None:

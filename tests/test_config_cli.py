@@ -39,6 +39,9 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("PLANE", "chain"), ("DATA_PORT", "70000")), "data_port must be in 0..65535, got 70000"),
     ((("PLANE_FANOUT", "0"),), "plane_fanout must be in 1..64, got 0"),
     ((("PLANE_FANOUT", "2"),), "with plane star it does nothing: set PLANE=chain"),
+    ((("SESSION_PORT", "70000"),), "session_port must be in 0..65535 (0: off), got 70000"),
+    ((("PORT", "50051"), ("STATUS_PORT", "50053")),
+     "session_port 50053 (SESSION_PORT; empty: PORT+2) is also PORT or STATUS_PORT"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

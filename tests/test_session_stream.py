@@ -28,14 +28,39 @@ from lsgd.signing import ACQUIRE_FIELD, derive_key, session_mac
 SECRET = "s" * 40
 
 
+@pytest.fixture(params=["sync", "aio"])
+def transport(request):
+    """Where the streams go: the synchronous server's own port, or the asyncio session
+    server's (``aio_session.py``); every behaviour here holds on both."""
+    return request.param
+
+
 @pytest.fixture(params=["plain", "secret"])
-def server(request):
+def server(request, transport):
     security = Security(secret=SECRET) if request.param == "secret" else Security()
     config = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="lsgd")
     servicer = build_servicer(config)
-    srv, port = create_server("127.0.0.1:0", servicer, security=security)
-    yield servicer, f"127.0.0.1:{port}", security
+    srv, port = create_server("127.0.0.1:0", servicer, security=security,
+                              session_address="127.0.0.1:0" if transport == "aio" else None)
+    addr = f"127.0.0.1:{port}"
+    yield Served(servicer, addr, security, srv)
     srv.stop(grace=0.5).wait(5)
+
+
+class Served:
+    def __init__(self, servicer, addr, security, srv) -> None:
+        self.servicer, self.addr, self.security, self.srv = servicer, addr, security, srv
+        # where a hand-driven stream goes: the session port where there is one
+        port = servicer.session_port
+        self.streams = f"127.0.0.1:{port}" if port else addr
+
+    def __iter__(self):
+        return iter((self.servicer, self.addr, self.security))
+
+    @property
+    def open_sessions(self) -> int:
+        sessions = self.srv.sessions
+        return sessions.open_sessions if sessions else self.servicer.admission.open_sessions
 
 
 def _joined(addr: str, security: Security, node: int = 0) -> GlobalClient:
@@ -126,7 +151,7 @@ def test_forged_replayed_reordered_or_moved_messages_end_the_stream_and_change_n
     }
     for why, mac in cases.items():
         nonce = os.urandom(16)
-        out, replies, ch = _raw_stream(addr, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+        out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
         body = _acquire_body(node, 1)
         out.put(pb.SessionRequest(n=1, acquire=body, mac=mac(nonce, 1, body)))
         with pytest.raises(grpc.RpcError) as e:
@@ -138,7 +163,7 @@ def test_forged_replayed_reordered_or_moved_messages_end_the_stream_and_change_n
     assert servicer.coord.nodes[0].outstanding == 0 and servicer.coord.done == 0
     # A genuine message sent twice: the copy's number is out of order.
     nonce = os.urandom(16)
-    out, replies, ch = _raw_stream(addr, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
     body = _acquire_body(node, 1)
     msg = pb.SessionRequest(n=1, acquire=body, mac=session_mac(key, nonce, 1, ACQUIRE_FIELD, body))
     out.put(msg)
@@ -160,7 +185,7 @@ def test_bad_openings_and_calls_for_another_node_are_refused(server):
     key = derive_key(SECRET) if security.secret else None
     for opening in (pb.SessionRequest(n=0, node=a._node()),  # no nonce
                     pb.SessionRequest(n=1, node=a._node(), nonce=os.urandom(16))):
-        out, replies, ch = _raw_stream(addr, security, opening)
+        out, replies, ch = _raw_stream(server.streams, security, opening)
         with pytest.raises(grpc.RpcError) as e:
             next(replies)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -168,7 +193,7 @@ def test_bad_openings_and_calls_for_another_node_are_refused(server):
         ch.close()
     # Node 0's stream carrying node 1's call: that call is refused, the stream goes on.
     nonce = os.urandom(16)
-    out, replies, ch = _raw_stream(addr, security, pb.SessionRequest(n=0, node=a._node(),
+    out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=a._node(),
                                                                      nonce=nonce))
     for n, who in ((1, b), (2, a)):
         body = _acquire_body(who._node(), 1)
@@ -198,7 +223,7 @@ def test_a_newer_stream_of_a_node_replaces_its_older_one(server):
         old.call("acquire", _acquire_body(a._node(), a.last_seq + 1), timeout=5)
     old.close()
     _acquire(a)
-    assert servicer.admission.open_sessions == 1
+    assert server.open_sessions == 1
     # The node starts again as a new session (its process restarted): the old session's
     # stream is cancelled too, so a node holds one thread however often it comes back.
     restarted = GlobalClient(addr, "job", 0, round_timeout=5.0, security=security)
@@ -209,7 +234,7 @@ def test_a_newer_stream_of_a_node_replaces_its_older_one(server):
     while servicer.admission.cancelled["replaced"] < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert servicer.admission.cancelled["replaced"] == 2
-    assert servicer.admission.open_sessions == 1
+    assert server.open_sessions == 1
     a.close(), restarted.close()
 
 
@@ -270,14 +295,16 @@ def test_an_overdue_reply_is_deadline_exceeded_and_the_next_call_opens_a_new_str
         srv.stop(0).wait(5)
 
 
-def test_session_streams_are_capped_and_a_stream_without_an_opening_is_cancelled():
+def test_session_streams_are_capped_and_a_stream_without_an_opening_is_cancelled(transport):
     from lsgd.global_server.admission import Limits
 
     config = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="lsgd")
     servicer = build_servicer(config)
     limits = Limits.for_job(2, config.round_timeout, sessions=1, header_wait=0.5)
-    srv, port = create_server("127.0.0.1:0", servicer, limits=limits)
+    srv, port = create_server("127.0.0.1:0", servicer, limits=limits,
+                              session_address="127.0.0.1:0" if transport == "aio" else None)
     addr = f"127.0.0.1:{port}"
+    served = Served(servicer, addr, Security(), srv)
     try:
         a, b = _joined(addr, Security(), 0), _joined(addr, Security(), 1)
         _acquire(a)
@@ -288,15 +315,16 @@ def test_session_streams_are_capped_and_a_stream_without_an_opening_is_cancelled
         assert "refused a session stream" in e.value.details() and "session streams" in e.value.details()
         a.close()
         deadline = time.monotonic() + 5
-        while servicer.admission.open_sessions and time.monotonic() < deadline:
+        while served.open_sessions and time.monotonic() < deadline:
             time.sleep(0.02)
         # As the node loop does after a failed call: reattach, naming the unanswered request.
         b.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5,
                resume=True, unanswered=(b.last_seq, 0))
         _acquire(b)  # a's stream was given back: b's opens
+        assert b._session_port == servicer.session_port  # a full server is no reason to leave
         b.close()
         # A stream that never sends its opening message holds its thread for header_wait only.
-        channel = grpc.insecure_channel(addr)
+        channel = grpc.insecure_channel(served.streams)
         silent: queue.SimpleQueue = queue.SimpleQueue()
         replies = pb_grpc.GlobalServerStub(channel).Session(iter(silent.get, None))
         t0 = time.monotonic()
@@ -320,11 +348,11 @@ def test_a_digest_question_rides_the_stream_under_its_own_mac(server):
     servicer.digest_wait = 0.05
     c, other = _joined(addr, security, 0), _joined(addr, security, 1)
     assert c.digest(3) == b""  # no leader route here: nothing registered
-    assert c._stream is not None and servicer.admission.open_sessions == 1
+    assert c._stream is not None and server.open_sessions == 1
     assert servicer.calls.counts["Digest"] == 1
     node, key, nonce = c._node(), derive_key(SECRET), os.urandom(16)
     body = pb.DigestRequest(node=node, round_id=3).SerializeToString()
-    out, replies, ch = _raw_stream(addr, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
     out.put(pb.SessionRequest(n=1, digest=body, mac=session_mac(key, nonce, 1, ACQUIRE_FIELD, body)))
     with pytest.raises(grpc.RpcError) as e:
         next(replies)
@@ -332,7 +360,7 @@ def test_a_digest_question_rides_the_stream_under_its_own_mac(server):
     out.put(None)
     ch.close()
     nonce = os.urandom(16)
-    out, replies, ch = _raw_stream(addr, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
     out.put(pb.SessionRequest(n=1, digest=body, mac=session_mac(key, nonce, 1, DIGEST_FIELD, body)))
     reply = next(replies)
     assert reply.code == 0 and reply.HasField("digest") and reply.digest.sha256 == b""

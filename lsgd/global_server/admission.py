@@ -301,6 +301,13 @@ class Admission(grpc.ServerInterceptor):
         self._log(kind, "refused a call from %s: %s", context.peer(), message)
         context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
 
+    def note(self, what: str, kind: str) -> None:
+        """Count a refusal (``what`` = "refused") or a cancellation ("cancelled") of ``kind``
+        made elsewhere (the asyncio session server's own admission, ``aio_session.py``)."""
+        with self._lock:
+            (self.refused if what == "refused" else self.cancelled)[kind] += 1
+        self._log(kind, "%s a session stream: %s", what, kind)
+
     def _log(self, kind: str, fmt: str, *args: object) -> None:
         """A warning, at most one per kind every 10 s (a flood must not flood the log)."""
         now = self.clock()

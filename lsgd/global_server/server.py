@@ -29,6 +29,7 @@ from ..security import Security, is_loopback
 from ..status.http import start_status_page
 from ..wire import GRPC_OPTIONS
 from .admission import Admission, Limits
+from .aio_session import SessionServer
 from .coordinator import Coordinator, Schedule
 from .journal import Journal
 from .buffers import CENTER
@@ -73,8 +74,26 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
     return servicer
 
 
+class GlobalServers:
+    """The global server's gRPC servers: the synchronous one (every call) and, where asked, the
+    asyncio one of the ``Session`` streams (``aio_session.py``). ``stop`` stops both; anything
+    else is the synchronous server's."""
+
+    def __init__(self, server: grpc.Server, sessions: SessionServer | None) -> None:
+        self.server, self.sessions = server, sessions
+
+    def stop(self, grace: float | None) -> threading.Event:
+        if self.sessions is not None:
+            self.sessions.stop(grace or 0.0)
+        return self.server.stop(grace)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.server, name)
+
+
 def create_server(address: str, servicer: GlobalServicer, security: Security | None = None,
-                  limits: Limits | None = None) -> tuple[grpc.Server, int]:
+                  limits: Limits | None = None,
+                  session_address: str | None = None) -> tuple[GlobalServers, int]:
     """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port).
 
     With ``security``, calls must be signed with its secret (and, under mutual TLS, come from
@@ -85,15 +104,18 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
     ``servicer.calls.counts``, refusals and cancellations in ``servicer.admission``, failed
     calls in ``servicer.stats``. The server also answers gRPC health checks (SERVING until the
     job is over, ``servicer.health``) and server reflection (``probes.py``).
+
+    With ``session_address``, the nodes' ``Session`` streams get an asyncio server there too
+    (``aio_session.py``); Join answers tell the nodes its port (``servicer.session_port``).
     """
     security = security or Security()
     limits = limits or Limits.for_job(servicer.coord.num_groups, servicer.round_timeout)
     servicer.admission = Admission(limits)
+    checks = security.server_interceptors()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads,
                                                     thread_name_prefix="lsgd-global"),
                          options=SERVER_OPTIONS,
-                         interceptors=[servicer.stats.interceptor,
-                                       *security.server_interceptors(), servicer.calls,
+                         interceptors=[servicer.stats.interceptor, *checks, servicer.calls,
                                        servicer.admission])
     pb_grpc.add_GlobalServerServicer_to_server(servicer, server)
     coord = servicer.coord
@@ -106,8 +128,19 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
         raise OSError(f"cannot listen on {address}: {exc}") from exc
     if port == 0:
         raise OSError(f"cannot listen on {address} (address in use or not local)")
+    sessions = None
+    if session_address is not None:
+        # one nonce memory for both ports: a signed opening is not replayed on the other
+        sessions = SessionServer(servicer, limits, security, checks[0].verifier)
+        try:
+            servicer.session_port = sessions.start(session_address)
+        except OSError as exc:
+            server.stop(0)
+            sessions.stop(0)
+            raise OSError(f"{exc}; set SESSION_PORT to a free port, or 0 to serve the nodes' "
+                          "session streams on PORT") from None
     server.start()
-    return server, port
+    return GlobalServers(server, sessions), port
 
 
 def serve(config: JobConfig, ready: "object | None" = None, stop_event: threading.Event | None = None,
@@ -157,7 +190,10 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     servicer.journal = journal.write
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
-        server, port = create_server(f"{bind}:{config.port}", servicer, security=security)
+        session = config.session_address
+        server, port = create_server(f"{bind}:{config.port}", servicer, security=security,
+                                     session_address=None if session is None
+                                     else f"{bind}:{session}")
     except OSError as exc:
         if ready is not None:
             ready.send(("error", str(exc)))
@@ -165,7 +201,8 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         return 1
     write_atomic(out.parent / "global.port", f"{port}\n")
     write_atomic(out / "server.pid", f"{os.getpid()}\n")
-    log.info("global server listening on %s:%d (job %s)", bind, port, config.job_id)
+    log.info("global server listening on %s:%d (job %s)%s", bind, port, config.job_id,
+             f"; session streams on port {servicer.session_port}" if servicer.session_port else "")
     servicer.board.restarts = _count_restarts(out, restore)
     page = start_status_page(config, servicer, security.secret if security else None, out,
                              restore=restore)

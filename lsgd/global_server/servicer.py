@@ -16,14 +16,14 @@ from typing import Callable, Iterator
 
 import grpc
 
-from ..leader import Candidate
 from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..rules.base import Exchange as ExchangeKind, RoundKind
 from . import session
 from .coordinator import Coordinator, CoordinatorError
 from .digests import WAIT as DIGEST_WAIT
-from .params import LEADER, ParamError, ParamStore
+from .params import ParamError, ParamStore
+from .polls import CreditPoll, RoundBarrier
 from .routes import Routes
 from .rpcstats import RpcStats
 from .status import StatusBoard
@@ -31,8 +31,6 @@ from .transfers import TransferRPCs, _abort
 
 log = logging.getLogger(__name__)
 
-MAX_CREDIT_WAIT = 0.5  # seconds one AcquireCredits call may long-poll
-BARRIER_TICK = 1.0  # seconds a round barrier waits for news before it advances time itself
 
 
 class CallCounter(grpc.ServerInterceptor):
@@ -88,6 +86,9 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
         self.dumps = 0  # numbers every state taken: a restart goes on from the newest
         self.routes = Routes()  # PLANE=chain: data addresses and the leader's route (routes.py)
         self.digest_wait = DIGEST_WAIT  # seconds a member's Digest question waits for the source
+        # The asyncio Session server's news: called (lock held) whenever polls should wake.
+        self.on_news: Callable[[bool], None] | None = None
+        self.session_port = 0  # where nodes open their Session streams (0: this server's port)
 
     def state_dump(self) -> dict:
         """The coordinator's state, numbered (lock held)."""
@@ -123,8 +124,7 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
         if self.coord.stopped is not None:  # a round closed by a job stop exchanges nothing
             return
         self._exchanged = rnd.id
-        self.closed.notify_all()
-        self.cond.notify_all()
+        self._wake(closed=True)
         if rnd.checkpoint:
             self.checkpoint_due = (rnd.id, self.coord.state(self.clock()))
             self.checkpoint_since = self.clock()
@@ -155,9 +155,8 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
         self._observe()
         after = self._state()
         if after[0] > before[0] or after[1:] != before[1:]:  # more free credits, or news
-            self.cond.notify_all()
-            if after[1:3] != before[1:3] or after[5:] != before[5:]:  # a round closed or
-                self.closed.notify_all()  # opened, or a stop: round barriers may be over
+            # a round closed or opened, or a stop: round barriers may be over
+            self._wake(closed=after[1:3] != before[1:3] or after[5:] != before[5:])
         if self.journal is not None:
             c = self.coord
             key = ((c.rounds_opened, c.target, c.stop_reason), c.nodes.version)
@@ -170,6 +169,15 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
                     self.journal(c.rounds_state() | {"dump": self.dumps}, False)
                 self._journaled = key
         return result
+
+    def _wake(self, closed: bool) -> None:
+        """Wake the credit polls, and the round barriers too where ``closed`` (lock held): the
+        threads waiting on ``cond`` / ``closed``, and the asyncio server's (``on_news``)."""
+        self.cond.notify_all()
+        if closed:
+            self.closed.notify_all()
+        if self.on_news is not None:
+            self.on_news(closed)
 
     def _observe(self) -> None:
         """Show the change on the status board (lock held). A fault of the board is logged
@@ -253,7 +261,8 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
             # Every node offers its initial parameters until one upload has succeeded.
             return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,
                                    counter=self.coord.done, epoch=self.epoch,
-                                   round_id=node.last_round_seen)
+                                   round_id=node.last_round_seen,
+                                   session_port=self.session_port)
 
         return self._call(context, join)
 
@@ -291,74 +300,31 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
 
     def AcquireCredits(self, request: pb.AcquireCreditsRequest,
                        context: grpc.ServicerContext) -> pb.AcquireCreditsResponse:
-        node = request.node
-        end = self.clock() + min(MAX_CREDIT_WAIT, request.max_wait_ms / 1000.0)
-        counts = dict(consumed=request.consumed, late=request.late_consumed,
-                      released=request.released, seq=request.seq, used_ms=request.used_ms)
+        poll = CreditPoll(self, request)
         try:
             with self.cond:
-                self._check(node)
-                while True:
-                    grant = self._change(lambda: self.coord.acquire(
-                        node.node_index, node.session, want=request.want,
-                        last_round_seen=request.last_round_seen, now=self.clock(), **counts))
-                    counts = dict(consumed=0, late=0, released=0, seq=0, used_ms=0)  # once
-                    left = end - self.clock()
-                    if not grant.wait or left <= 0 or not context.is_active():
-                        break
+                while (resp := poll.step(context.is_active())) is None:
                     # Woken by a change that can end the wait (``_state``: free credits, a
                     # round, the start, a stop); time-driven ones come from the server's ticker.
-                    self.cond.wait(left)
-                resp = pb.AcquireCreditsResponse(grant=grant.grant, counter=self.coord.done,
-                                                 epoch=self.epoch,
-                                                 stopped=self.coord.stopped_for(node.node_index))
-                if grant.round is not None:
-                    resp.round.id = grant.round.id
-                    resp.round.kind = int(grant.round.kind)
-                    resp.round.iteration = grant.round.iteration
+                    self.cond.wait(poll.wait())
                 return resp
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)
 
     def ReportRound(self, request: pb.ReportRoundRequest,
                     context: grpc.ServicerContext) -> pb.ReportRoundResponse:
-        node = request.node
-        best = Candidate(request.best.worker_id, request.best.loss) if request.has_best else None
-        end = self.clock() + self.round_timeout + 1.0  # the round itself closes by then
+        barrier = RoundBarrier(self, request)
         try:
             with self.cond:
-                self._check(node)
-                if request.weight:  # before the report, which may close the round and plan it
-                    self._note_weight(request)
-                # if this report closes the round, its waiters wake
-                out = self._change(lambda: self.coord.report(
-                    node.node_index, node.session, request.round_id, best,
-                    request.participants, self.clock()))
-                while not out.ready and self.clock() < end and context.is_active():
-                    # Woken when a round closes or opens, or the job stops (``_change``); the
-                    # server's ticker closes a round at its deadline. The tick here, once a
-                    # second at most, is for a servicer without a ticker (tests): at 512 nodes
-                    # a tick every 0.1 s per waiting node was 5 000 wake-ups a second.
-                    if not self.closed.wait(min(BARRIER_TICK, max(0.0, end - self.clock()))):
-                        self._change(lambda: self.coord.tick(self.clock()))
-                    out = self.coord.outcome(node.node_index, request.round_id)
-                stopped = self.coord.stopped_for(node.node_index)
-                route = self.routes.for_node(node.node_index, request.round_id)
+                resp = barrier.step(context.is_active())
+                while resp is None:
+                    # Woken when a round closes or opens, or the job stops (``_wake``); at 512
+                    # nodes a tick every 0.1 s per waiting node was 5 000 wake-ups a second.
+                    timed_out = not self.closed.wait(barrier.wait())
+                    resp = barrier.step(context.is_active(), timed_out)
+                return resp
         except (CoordinatorError, ParamError) as exc:
             _abort(context, exc)
-        if not out.ready:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"round {request.round_id} did not close")
-        resp = pb.ReportRoundResponse(missed=out.missed, participants=out.participants,
-                                      nodes=list(out.nodes), evaluate=out.evaluate,
-                                      checkpoint=out.checkpoint, stopped=stopped)
-        if out.leader is not None:
-            resp.has_leader = True
-            resp.leader.worker_id = out.leader.worker_id
-            resp.leader.loss = out.leader.loss
-            resp.leader_node = out.leader_node
-        if route is not None and not out.missed:
-            resp.route.CopyFrom(self.routes.message(route))
-        return resp
 
     def Session(self, request_iterator: Iterator[pb.SessionRequest],
                 context: grpc.ServicerContext) -> Iterator[pb.SessionReply]:

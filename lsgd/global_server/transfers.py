@@ -58,7 +58,13 @@ class TransferRPCs:
         return self._call(context, bypass)
 
     def Digest(self, request: pb.DigestRequest,
-                     context: grpc.ServicerContext) -> pb.DigestResponse:
+               context: grpc.ServicerContext) -> pb.DigestResponse:
+        self.digest_check(request, context)
+        return self.digest_answer(request, self.digest_wait)
+
+    def digest_check(self, request: pb.DigestRequest, context: grpc.ServicerContext) -> None:
+        """Check a ``Digest`` call, and register the digest it carries (only the source of the
+        round's leader route may)."""
         def who() -> int:
             self._check(request.node)
             index = request.node.node_index
@@ -78,12 +84,16 @@ class TransferRPCs:
             return index
 
         self._call(context, who)
+
+    def digest_answer(self, request: pb.DigestRequest, wait: float) -> pb.DigestResponse:
+        """The answer to a checked ``Digest`` call, waiting up to ``wait`` seconds for the
+        digest asked for (empty: none came)."""
         if request.sha256:
             return pb.DigestResponse(sha256=request.sha256)
         if request.center:  # outside the servicer's lock (the store has its own)
-            digest = self.params.center_digest(request.round_id, self.digest_wait)
+            digest = self.params.center_digest(request.round_id, wait)
         else:
-            digest = self.params.digests.get(request.round_id, self.digest_wait)
+            digest = self.params.digests.get(request.round_id, wait)
         return pb.DigestResponse(sha256=digest or b"")
 
     def PushParams(self, request_iterator: Iterator[pb.PushParamsRequest],

@@ -107,10 +107,30 @@ class GlobalClient:
         self._key = derive_key(security.secret) if security.secret else None
         self._stream: SessionStream | None = None
         self._stream_lock = threading.Lock()
+        # The server's asyncio port for session streams (JoinResponse.session_port; 0: none, or
+        # it could not be reached: the streams go to ``address`` then).
+        self._security = security
+        self._session_port = 0
+        self._session_channel: grpc.Channel | None = None
+        self._session_stub: pb_grpc.GlobalServerStub | None = None
+        self._unreachable = (0, 0)  # (server epoch, session port) that did not answer
 
     def close(self) -> None:
         self._end_stream()
+        self._use_session_port(0)
         self._channel.close()
+
+    def _use_session_port(self, port: int) -> None:
+        """Open session streams on the server's ``port`` from now on (0: on ``address``)."""
+        if port == self._session_port and (self._session_channel is not None or not port):
+            return
+        if self._session_channel is not None:
+            self._session_channel.close()
+        self._session_port, self._session_channel, self._session_stub = port, None, None
+        if port:
+            host = self.address.rsplit(":", 1)[0]
+            self._session_channel = self._security.channel(f"{host}:{port}", CHANNEL_OPTIONS)
+            self._session_stub = pb_grpc.GlobalServerStub(self._session_channel)
 
     def _end_stream(self) -> None:
         with self._stream_lock:
@@ -133,8 +153,24 @@ class GlobalClient:
             if s is None or s.ended or s.node.session != self.session:
                 if s is not None:
                     s.close()
-                s = self._stream = SessionStream(self._stub, self._md, self._key, self._node())
-        return s.call(field, request.SerializeToString(), timeout)
+                stub = self._session_stub or self._stub
+                s = self._stream = SessionStream(stub, self._md, self._key, self._node())
+                s.port = self._session_port if stub is self._session_stub else 0
+        try:
+            return s.call(field, request.SerializeToString(), timeout)
+        except grpc.RpcError as exc:
+            if s.port and s.broken and not s.answered and exc.code() in (
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                # never answered there: a firewall, most likely; PORT is known to work
+                log.warning("node %d: the global server's session port %d did not answer (%s); "
+                            "the node's credit and round calls go to %s instead (open "
+                            "SESSION_PORT too for a job of hundreds of nodes)", self.node_index,
+                            s.port, exc.details(), self.address)
+                with self._stream_lock:
+                    self._unreachable = (self.epoch, s.port)
+                    if self._session_port == s.port:
+                        self._use_session_port(0)
+            raise
 
     def _node(self) -> pb.NodeId:
         return pb.NodeId(job_id=self.job_id, node_index=self.node_index, session=self.session)
@@ -169,6 +205,13 @@ class GlobalClient:
                                        timeout=min(RPC_TIMEOUT, max(1.0, end - time.monotonic())))
                 if resp.session != self.session:
                     self._seq = 0  # numbering starts again with a new session
+                port = resp.session_port
+                if (resp.epoch, port) == self._unreachable:
+                    port = 0  # it did not answer: this server's own port, as before
+                if port != self._session_port:
+                    self._end_stream()
+                    with self._stream_lock:
+                        self._use_session_port(port)
                 self.session, self.epoch, self._join_seq = resp.session, resp.epoch, 0
                 self._end_stream()  # the next call opens a stream on this attachment
                 return resp

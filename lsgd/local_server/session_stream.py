@@ -51,6 +51,8 @@ class SessionStream:
         self.n = 0
         self.broken = False
         self.expired = False  # the watchdog cancelled it: the reply was overdue
+        self.answered = False  # the server answered on it (a reply, or a refusal)
+        self.port = 0  # the server's session port it went to (0: the server's own)
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._requests.put(pb.SessionRequest(n=0, node=node, nonce=self.nonce))
         self._call = stub.Session(self._outgoing(), metadata=metadata)
@@ -86,12 +88,14 @@ class SessionStream:
                 raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no answer on the session stream within {timeout:g} s") from None
             if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:  # the server is full now:
+                self.answered = True  # (it answered: the port is reachable)
                 raise CallError(grpc.StatusCode.UNAVAILABLE,  # the node tries again later
                                 f"the global server refused a session stream: {exc.details()}"
                                 ) from None
             raise
         finally:
             WATCHDOG.done(self)
+        self.answered = True
         if reply.n != self.n:
             self.close()
             raise CallError(grpc.StatusCode.INTERNAL, f"session reply {reply.n} to message "

@@ -1,0 +1,195 @@
+"""The asyncio server of the nodes' Session streams (issue 15, design-scale.md step 4).
+
+``tests/test_session_stream.py`` runs the stream's behaviours on both servers; this file covers
+what only the second port has: the nodes find it through Join, a long-poll on it wakes on the
+servicer's news (not on a timer), an opening signed for one port is not replayed on the other,
+a node that cannot reach the port uses PORT, and stopping the server ends the open streams
+with a status the node understands.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+
+import grpc
+import pytest
+
+from lsgd.config import JobConfig
+from lsgd.global_server.server import build_servicer, create_server
+from lsgd.local_server.global_client import GlobalClient
+from lsgd.proto import lsgd_pb2 as pb
+from lsgd.proto import lsgd_pb2_grpc as pb_grpc
+from lsgd.rules.base import RoundKind
+from lsgd.security import Security
+from lsgd.signing import SESSION_METHOD, SIGNATURE_KEY, derive_key, sign
+
+SECRET = "a" * 40
+
+
+def _server(security: Security | None = None, **config):
+    cfg = JobConfig(**({"num_groups": 2, "workers": 2, "job_id": "job", "algorithm": "lsgd",
+                        "l_comm": 4, "g_comm": 8} | config))
+    servicer = build_servicer(cfg)
+    srv, port = create_server("127.0.0.1:0", servicer, security=security,
+                              session_address="127.0.0.1:0")
+    return servicer, srv, f"127.0.0.1:{port}"
+
+
+def _joined(addr: str, index: int, security: Security | None = None) -> GlobalClient:
+    c = GlobalClient(addr, "job", index, round_timeout=5.0, security=security)
+    c.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5)
+    return c
+
+
+def test_nodes_learn_the_session_port_at_join_and_their_calls_go_there():
+    servicer, srv, addr = _server()
+    try:
+        assert servicer.session_port and str(servicer.session_port) != addr.rsplit(":", 1)[1]
+        a, b = _joined(addr, 0), _joined(addr, 1)
+        assert a._session_port == servicer.session_port
+        g = a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        assert g.grant > 0 and servicer.coord.nodes[0].outstanding == g.grant
+        assert srv.sessions.open_sessions == 1 and srv.server is not None
+        assert servicer.admission.open_sessions == 0  # none on the synchronous server
+        a.close(), b.close()
+    finally:
+        srv.stop(0.5).wait(5)
+
+
+def test_a_round_barrier_on_the_loop_is_answered_when_the_last_report_closes_it(monkeypatch):
+    """Both nodes use their credits up to the global round; node 0's report waits on the
+    loop, and node 1's report ends the wait: the servicer's news, not a timer. (The barrier's
+    own tick is made longer than the round here, so a wait that missed the news would last
+    until the round's deadline.)"""
+    from lsgd.global_server import polls
+
+    monkeypatch.setattr(polls, "BARRIER_TICK", 60.0)
+    servicer, srv, addr = _server(round_timeout=10.0)
+    try:
+        nodes = [_joined(addr, 0), _joined(addr, 1)]
+        answers: dict[int, pb.ReportRoundResponse] = {}
+        rounds: dict[int, int] = {}
+
+        def run(c: GlobalClient) -> None:
+            consumed, seen = 0, 0
+            for _ in range(50):
+                g = c.acquire(consumed=consumed, late=0, released=0, want=64,
+                              last_round_seen=seen, max_wait=0.5)
+                consumed = g.grant
+                if g.round_id > seen and g.round_kind == int(RoundKind.GLOBAL):
+                    rounds[c.node_index] = g.round_id
+                    answers[c.node_index] = c.report_round(g.round_id, None, 2)
+                    return
+                seen = max(seen, g.round_id)
+
+        t0 = threading.Thread(target=run, args=(nodes[0],))
+        t0.start()
+        deadline = time.monotonic() + 10
+        while 0 not in rounds and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert 0 in rounds  # node 0 now waits in its barrier (node 1 has not reported)
+        time.sleep(0.2)
+        assert 0 not in answers
+        started = time.monotonic()
+        run(nodes[1])
+        t0.join(5)
+        waited = time.monotonic() - started
+        assert answers[0].participants == answers[1].participants == 4
+        assert waited < 5.0, f"the barrier took {waited:.2f} s: it missed the news"
+        for c in nodes:
+            c.close()
+    finally:
+        srv.stop(0.5).wait(5)
+
+
+def _open(addr: str, opening: pb.SessionRequest, signature: str | None):
+    channel = grpc.insecure_channel(addr)
+    out: queue.SimpleQueue = queue.SimpleQueue()
+    out.put(opening)
+    md = [(SIGNATURE_KEY, signature)] if signature else []
+    replies = pb_grpc.GlobalServerStub(channel).Session(iter(out.get, None), metadata=md)
+    return out, replies, channel
+
+
+def test_openings_need_the_secret_and_one_signed_for_a_port_is_not_replayed_on_the_other():
+    security = Security(secret=SECRET)
+    servicer, srv, addr = _server(security)
+    streams = f"127.0.0.1:{servicer.session_port}"
+    try:
+        a, b = _joined(addr, 0, security), _joined(addr, 1, security)
+        opening = pb.SessionRequest(n=0, node=a._node(), nonce=b"n" * 16)
+        body = opening.SerializeToString()
+        for signature in (None, sign(derive_key("w" * 40), SESSION_METHOD, body)):
+            out, replies, ch = _open(streams, opening, signature)
+            with pytest.raises(grpc.RpcError) as e:
+                next(replies)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "secret" in e.value.details()
+            out.put(None), ch.close()
+        # One genuine signature: the first port to see it takes it, the other refuses it.
+        signature = sign(derive_key(SECRET), SESSION_METHOD, body)
+        key = derive_key(SECRET)
+        from lsgd.signing import ACQUIRE_FIELD, session_mac
+
+        call = pb.AcquireCreditsRequest(node=a._node(), want=4, seq=1).SerializeToString()
+        first = pb.SessionRequest(n=1, acquire=call,
+                                  mac=session_mac(key, b"n" * 16, 1, ACQUIRE_FIELD, call))
+        out, replies, ch = _open(streams, opening, signature)
+        out.put(first)
+        assert next(replies).acquire.grant > 0
+        out.put(None), ch.close()
+        out, replies, ch = _open(addr, opening, signature)  # the same, on PORT
+        out.put(first)
+        with pytest.raises(grpc.RpcError) as e:
+            next(replies)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "replay" in e.value.details() or "seen" in e.value.details()
+        out.put(None), ch.close()
+        a.close(), b.close()
+    finally:
+        srv.stop(0.5).wait(5)
+
+
+def test_a_node_that_cannot_reach_the_session_port_uses_port_and_says_so(caplog):
+    servicer, srv, addr = _server()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    try:
+        servicer.session_port = closed
+        a, b = _joined(addr, 0), _joined(addr, 1)
+        assert a._session_port == closed
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(grpc.RpcError) as e:  # this call is lost, as to a server gone
+                a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0,
+                          max_wait=0)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        lines = [r.getMessage() for r in caplog.records if "session port" in r.getMessage()]
+        assert len(lines) == 1 and str(closed) in lines[0] and addr in lines[0]
+        # the node loop reattaches; from then on its calls go to PORT, and stay there
+        a.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5,
+               resume=True, unanswered=(a.last_seq, 0))
+        assert a._session_port == 0
+        g = a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        assert g.grant > 0 and servicer.admission.open_sessions == 1
+        a.close(), b.close()
+    finally:
+        srv.stop(0.5).wait(5)
+
+
+def test_stopping_the_server_ends_open_streams_with_unavailable():
+    servicer, srv, addr = _server()
+    a, b = _joined(addr, 0), _joined(addr, 1)
+    a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+    stream = a._stream
+    srv.stop(0.5).wait(5)
+    assert not any(t.name == "lsgd-session-server" for t in threading.enumerate())
+    with pytest.raises(grpc.RpcError) as e:
+        stream.call("acquire", pb.AcquireCreditsRequest(node=a._node(), seq=2).SerializeToString(),
+                    timeout=5)
+    assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+    a.close(), b.close()
