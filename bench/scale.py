@@ -78,6 +78,8 @@ class Scenario:
     param_count: int = PARAM_COUNT
     late_join_s: float = 0.0  # the last node joins this late: the others long-poll meanwhile
     round_timeout: float = 30.0
+    nodes_on: str = "threads"  # the simulated nodes: "threads" (GlobalClient) or "asyncio"
+    session_port: int | None = None  # the server's SESSION_PORT (None: its default; 0: off)
     node_timeout: float = 10.0
     join_timeout: float = 60.0
     limit_s: float = 90.0  # hard bound on the whole scenario
@@ -270,6 +272,10 @@ def client_main(spec_path: str) -> int:
     """A client process: one thread per node in ``spec["nodes"]``; writes ``spec["out"]``."""
     spec = json.loads(Path(spec_path).read_text())
     sc = Scenario(**spec["scenario"])
+    if sc.nodes_on == "asyncio":
+        from bench.scale_aio import client_main as aio_main
+
+        return aio_main(spec, sc)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     outs = [dict() for _ in spec["nodes"]]
@@ -405,7 +411,8 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
     config = dict(num_groups=sc.nodes, workers=sc.workers, algorithm="lsgd", l_comm=sc.l_comm,
                   g_comm=sc.g_comm, iterations=sc.iterations, port=0, run_dir=str(run_dir),
                   job_id=JOB_ID, round_timeout=sc.round_timeout, node_timeout=sc.node_timeout,
-                  join_timeout=sc.join_timeout, status_port=None if sc.status else 0)
+                  join_timeout=sc.join_timeout, status_port=None if sc.status else 0,
+                  session_port=sc.session_port)
     JobConfig(**config)  # validate here, with a clear error
     server: subprocess.Popen | None = None
     clients: list[subprocess.Popen] = []
@@ -630,20 +637,25 @@ def run(quick: bool) -> list[Result]:
     return out
 
 
-def sweep(counts: list[int], rounds: int = 16) -> list[dict[str, Any]]:
+def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
+          sessions: tuple[int | None, ...] = (None,)) -> list[dict[str, Any]]:
     """The paced scenario (20 ms steps: 320 ms of work per round) at each node count, 8 workers
     each, one fresh server per count: round latency, server CPU and calls per round as the job
     grows (issue 15's 64, 256 and 512 nodes). The simulated nodes' own CPU is reported too: on a
-    small host it, not the server, may set the pace."""
+    small host it, not the server, may set the pace. ``nodes_on``: the simulated nodes' kind
+    (``scale_aio.py``); ``sessions``: each count once per SESSION_PORT value given (0: the
+    streams on the synchronous server; None: the asyncio one), one after the other."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="lsgd-bench-scale-") as tmp:
-        for n in counts:
-            sc = Scenario(f"{n}x8-paced", nodes=n, workers=8, l_comm=16, g_comm=64,
+        for n, session in [(n, s) for n in counts for s in sessions]:
+            tag = {None: "", 0: "-sync"}.get(session, f"-session{session}")
+            sc = Scenario(f"{n}x8-paced{tag}", nodes=n, workers=8, l_comm=16, g_comm=64,
                           rounds=rounds, step_ms=20.0, limit_s=300.0, join_timeout=120.0,
-                          node_timeout=30.0)
+                          node_timeout=30.0, nodes_on=nodes_on, session_port=session)
             m = run_scenario(sc, CLIENT_PROCS, Path(tmp))
             g = m["by_kind"].get("global", {})
-            row = {"nodes": n, "ok": m["ok"], "errors": m["error_count"],
+            row = {"nodes": n, "sessions": "sync" if session == 0 else "asyncio",
+                   "nodes_on": nodes_on, "ok": m["ok"], "errors": m["error_count"],
                    "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
                    "global_p50_ms": g.get("p50_ms"), "global_p99_ms": g.get("p99_ms"),
                    "global_answer_p99_ms": g.get("answer_p99_ms"),
@@ -652,7 +664,7 @@ def sweep(counts: list[int], rounds: int = 16) -> list[dict[str, Any]]:
                                               if m["server_cpu_pct"] and m["rounds_per_s"] else None),
                    "calls_per_round": m["calls_per_round"], "calls": m["calls"],
                    "client_cpu_pct": m["client_cpu_pct"],
-                   "load_before": round(os.getloadavg()[0], 2)}
+                   "load_before": round(os.getloadavg()[0], 2), "first_errors": m["errors"][:5]}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -700,10 +712,18 @@ def main(argv: list[str]) -> int:
                       file=sys.stderr)
                 return 2
             against, args = args[k + 1], args[:k] + args[k + 2:]
+        nodes_on, sessions = "threads", (None,)
+        if "--nodes-on" in args:
+            k = args.index("--nodes-on")
+            nodes_on, args = args[k + 1], args[:k] + args[k + 2:]
+        if "--sessions" in args:  # "both": each count with the streams on each server
+            k = args.index("--sessions")
+            sessions = {"both": (0, None), "sync": (0,), "asyncio": (None,)}[args[k + 1]]
+            args = args[:k] + args[k + 2:]
         counts = [int(a) for a in args] or [64, 256, 512]
         if against is not None:
             return compare(counts, against)
-        rows = sweep(counts)
+        rows = sweep(counts, nodes_on=nodes_on, sessions=sessions)
         return 0 if all(r["ok"] for r in rows) else 1
     quick = "--quick" in argv
     t = time.monotonic()

@@ -92,7 +92,7 @@ class SessionServer:
         self._server = None
         self._thread: threading.Thread | None = None
         self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="lsgd-digest")
-        self._waiters: tuple[list, list] = ([], [])  # futures of credit polls, round barriers
+        self._waiters: tuple[set, set] = (set(), set())  # futures of credit polls, barriers
         self._open: set[_Stream] = set()
         self._pending: Counter[str] = Counter()  # host -> streams whose opening is unchecked
         self._by_node: dict[int, _Stream] = {}
@@ -183,7 +183,8 @@ class SessionServer:
 
     def _fire(self, closed: bool) -> None:
         for kind in ((0, 1) if closed else (0,)):
-            waiters, self._waiters[kind][:] = list(self._waiters[kind]), []
+            waiters = list(self._waiters[kind])
+            self._waiters[kind].clear()
             for w in waiters:
                 if not w.done():
                     w.set_result(True)
@@ -193,12 +194,14 @@ class SessionServer:
         released: call it right after the step). False when none came."""
         loop = self._loop
         w = loop.create_future()
-        self._waiters[1 if news_only else 0].append(w)
+        waiters = self._waiters[1 if news_only else 0]
+        waiters.add(w)
         timer = loop.call_later(timeout, lambda: w.done() or w.set_result(False))
         try:
             return await w
         finally:
             timer.cancel()
+            waiters.discard(w)
             if not w.done():
                 w.cancel()
 
@@ -210,7 +213,9 @@ class SessionServer:
             it = requests.__aiter__()
             try:
                 raw = await asyncio.wait_for(it.__anext__(), self.limits.header_wait)
-            except (asyncio.TimeoutError, StopAsyncIteration):
+            except StopAsyncIteration:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, opening_error(None))
+            except asyncio.TimeoutError:
                 self._count("cancelled", "header")
                 await context.abort(grpc.StatusCode.CANCELLED, "no opening message within "
                                     f"{self.limits.header_wait:g} s")
