@@ -193,3 +193,67 @@ def test_stopping_the_server_ends_open_streams_with_unavailable():
                     timeout=5)
     assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     a.close(), b.close()
+
+
+def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change_nothing():
+    """Raw bytes on the port, and streams of arbitrary messages (truncated, oversized, several
+    calls, none, numbers out of order, calls that do not parse): each gets a reply or a status,
+    no refused call changes the state, and a real node is served afterwards."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from lsgd.wire import MAX_MESSAGE
+
+    servicer, srv, addr = _server()
+    port = servicer.session_port
+    try:
+        a, b = _joined(addr, 0), _joined(addr, 1)
+        for junk in (b"\x00" * 100, b"GET / HTTP/1.1\r\n\r\n",
+                     b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 64):
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                s.sendall(junk)
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        raw = channel.stream_stream("/lsgd.v1.GlobalServer/Session", request_serializer=None,
+                                    response_deserializer=pb.SessionReply.FromString)
+        opening = pb.SessionRequest(n=0, node=a._node(), nonce=b"x" * 16).SerializeToString()
+        body = st.one_of(st.binary(max_size=64), st.just(b"\x0a\xff\xff\xff\x0f"),
+                         st.builds(lambda s: pb.AcquireCreditsRequest(
+                             node=pb.NodeId(job_id="job", node_index=s % 3, session=s),
+                             consumed=s, want=4).SerializeToString(), st.integers(0, 2**63)))
+        message = st.one_of(
+            st.binary(max_size=80),
+            st.builds(lambda n, f, x: pb.SessionRequest(n=n, **{f: x}).SerializeToString(),
+                      st.integers(0, 5), st.sampled_from(["acquire", "report", "digest"]), body),
+            st.builds(lambda n, x, y: pb.SessionRequest(n=n, acquire=x, report=y).SerializeToString(),
+                      st.integers(0, 3), body, body))
+        before = (servicer.coord.done, {i: n.outstanding for i, n in servicer.coord.nodes.items()})
+
+        @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(first=st.one_of(st.just(opening), st.binary(max_size=40)),
+               rest=st.lists(message, max_size=4))
+        def stream_of(first, rest):
+            call = raw(iter([first, *rest]), timeout=5)
+            try:
+                for reply in call:  # every reply numbered: an answer, or a refusal's code
+                    assert reply.n >= 1
+                    assert reply.code or any(reply.HasField(f) for f in ("acquire", "report",
+                                                                          "digest"))
+            except grpc.RpcError as exc:
+                assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                      grpc.StatusCode.PERMISSION_DENIED,
+                                      grpc.StatusCode.FAILED_PRECONDITION,
+                                      grpc.StatusCode.CANCELLED), exc
+
+        stream_of()
+        with pytest.raises(grpc.RpcError) as e:  # over the message limit
+            list(raw(iter([opening, b"\x00" * (MAX_MESSAGE + 1024)]), timeout=10))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        channel.close()
+        # no call for another node or session went through, and nothing else changed anything
+        assert (servicer.coord.done, {i: n.outstanding for i, n in
+                                      servicer.coord.nodes.items()}) == before
+        g = b.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        assert g.grant >= 0 and b._stream.port == servicer.session_port
+        a.close(), b.close()
+    finally:
+        srv.stop(0.5).wait(5)
