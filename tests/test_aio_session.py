@@ -257,3 +257,17 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
         a.close(), b.close()
     finally:
         srv.stop(0.5).wait(5)
+
+
+def test_a_session_port_in_use_is_one_clear_error_and_leaves_nothing_listening():
+    cfg = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="lsgd")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError) as e:
+            create_server("127.0.0.1:0", build_servicer(cfg),
+                          session_address=f"127.0.0.1:{port}")
+    msg = str(e.value)
+    assert f"127.0.0.1:{port}" in msg and "SESSION_PORT" in msg and "\n" not in msg
+    assert not any(t.name == "lsgd-session-server" for t in threading.enumerate())

@@ -115,7 +115,8 @@ class SessionServer:
         """Stop serving: the open streams end (their nodes open new ones, or are gone)."""
         self.s.on_news = None
         loop = self._loop
-        if loop is not None and not loop.is_closed():
+        alive = self._thread is not None and self._thread.is_alive()
+        if loop is not None and self._server is not None and alive and not loop.is_closed():
             try:
                 asyncio.run_coroutine_threadsafe(self._shutdown(grace), loop).result(grace + 5)
             except (futures.TimeoutError, futures.CancelledError, RuntimeError):
@@ -146,8 +147,9 @@ class SessionServer:
             try:
                 port = (server.add_secure_port(address, creds) if creds
                         else server.add_insecure_port(address))
-            except RuntimeError as exc:
-                ready.set_exception(OSError(f"cannot listen on {address}: {exc}"))
+            except RuntimeError:  # gRPC's text says little more and asks for GRPC_VERBOSITY
+                ready.set_exception(OSError(f"cannot listen on {address} (address in use, or "
+                                            "not local)"))
                 return
             if port == 0:
                 ready.set_exception(OSError(f"cannot listen on {address} (address in use or "

@@ -137,8 +137,8 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
         except OSError as exc:
             server.stop(0)
             sessions.stop(0)
-            raise OSError(f"{exc}; set SESSION_PORT to a free port, or 0 to serve the nodes' "
-                          "session streams on PORT") from None
+            raise OSError(f"{exc} (SESSION_PORT, the nodes' session streams; empty: PORT+2); "
+                          "set SESSION_PORT to a free port, or 0 to serve them on PORT") from None
     server.start()
     return GlobalServers(server, sessions), port
 
