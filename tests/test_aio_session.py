@@ -245,9 +245,13 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
                                       grpc.StatusCode.CANCELLED), exc
 
         stream_of()
-        with pytest.raises(grpc.RpcError) as e:  # over the message limit
-            list(raw(iter([opening, b"\x00" * (MAX_MESSAGE + 1024)]), timeout=10))
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        from lsgd.global_server.aio_session import MAX_MESSAGE as SESSION_MAX
+
+        assert SESSION_MAX < MAX_MESSAGE  # session messages are small: read nothing bigger
+        for big in ([b"\x00" * (SESSION_MAX + 1)], [opening, b"\x00" * (SESSION_MAX + 1)]):
+            with pytest.raises(grpc.RpcError) as e:
+                list(raw(iter(big), timeout=10))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         channel.close()
         # no call for another node or session went through, and nothing else changed anything
         assert (servicer.coord.done, {i: n.outstanding for i, n in
@@ -271,3 +275,86 @@ def test_a_session_port_in_use_is_one_clear_error_and_leaves_nothing_listening()
     msg = str(e.value)
     assert f"127.0.0.1:{port}" in msg and "SESSION_PORT" in msg and "\n" not in msg
     assert not any(t.name == "lsgd-session-server" for t in threading.enumerate())
+
+
+def test_refused_streams_are_counted_and_an_unsigned_one_is_refused_at_once():
+    security = Security(secret=SECRET)
+    servicer, srv, addr = _server(security)
+    streams = f"127.0.0.1:{servicer.session_port}"
+    try:
+        a, b = _joined(addr, 0, security), _joined(addr, 1, security)
+        # a stream with no signature that sends nothing: refused at once, not held until its
+        # opening is due (5 s)
+        ch = grpc.insecure_channel(streams)
+        silent: queue.SimpleQueue = queue.SimpleQueue()
+        replies = pb_grpc.GlobalServerStub(ch).Session(iter(silent.get, None))
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            next(replies)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert time.monotonic() - t0 < 2.0
+        silent.put(None), ch.close()
+        assert servicer.stats.copy()[0] == {("Session", "UNAUTHENTICATED"): 1}
+        a.close(), b.close()
+    finally:
+        srv.stop(0.5).wait(5)
+
+
+def test_a_replaced_stream_waiting_in_a_barrier_gives_its_place_back_at_once():
+    servicer, srv, addr = _server(round_timeout=20.0)
+    try:
+        a, b = _joined(addr, 0), _joined(addr, 1)
+        consumed, seen = 0, 0
+        while True:  # node 0 takes its credits up to the global round
+            g = a.acquire(consumed=consumed, late=0, released=0, want=64, last_round_seen=seen,
+                          max_wait=0.5)
+            consumed, seen = g.grant, max(seen, g.round_id)
+            if g.round_kind == int(RoundKind.GLOBAL) and g.round_id:
+                break
+        waiting = threading.Thread(target=lambda: pytest.raises(
+            grpc.RpcError, a.report_round, g.round_id, None, 2))
+        waiting.start()  # its barrier waits for node 1, which does not report
+        time.sleep(0.3)
+        assert srv.sessions.open_sessions == 1
+        a2 = GlobalClient(addr, "job", 0, round_timeout=5.0)  # the node's newer stream
+        a2.session, a2._seq = a.session, a.last_seq
+        a2._use_session_port(servicer.session_port)
+        a2.acquire(consumed=0, late=0, released=0, want=1, last_round_seen=seen, max_wait=0)
+        waiting.join(5)
+        assert not waiting.is_alive()  # the old stream's call ended (CANCELLED)
+        deadline = time.monotonic() + 2
+        while srv.sessions.open_sessions != 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.sessions.open_sessions == 1  # not 2 until the round's 20 s deadline
+        t0 = time.monotonic()
+        srv.stop(0.5).wait(5)  # a stream waiting (none here now) would not hold the stop
+        assert time.monotonic() - t0 < 2.0
+        a.close(), a2.close(), b.close()
+    finally:
+        srv.stop(0.5).wait(5)
+
+
+def test_digest_questions_waiting_for_their_source_do_not_queue_behind_each_other():
+    servicer, srv, addr = _server(num_groups=10)
+    servicer.digest_wait = 1.0  # nobody registers: each question waits the whole second
+    try:
+        clients = [GlobalClient(addr, "job", i, round_timeout=5.0) for i in range(10)]
+        for c in clients:
+            c.join(workers=2, param_count=10, algorithm="lsgd", num_groups=10, connect_timeout=5)
+        took: list[float] = []
+
+        def ask(c: GlobalClient) -> None:
+            t0 = time.monotonic()
+            assert c.digest(5) == b""
+            took.append(time.monotonic() - t0)
+
+        threads = [threading.Thread(target=ask, args=(c,)) for c in clients]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert len(took) == 10 and max(took) < 2.5, took  # in a pool of 2 threads: 5 s
+        for c in clients:
+            c.close()
+    finally:
+        srv.stop(0.5).wait(5)

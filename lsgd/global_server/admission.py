@@ -306,7 +306,8 @@ class Admission(grpc.ServerInterceptor):
         made elsewhere (the asyncio session server's own admission, ``aio_session.py``)."""
         with self._lock:
             (self.refused if what == "refused" else self.cancelled)[kind] += 1
-        self._log(kind, "%s a session stream: %s", what, kind)
+        if kind != "replaced":  # a node's newer stream: routine, as on the synchronous server
+            self._log(kind, "%s a session stream: %s", what, kind)
 
     def _log(self, kind: str, fmt: str, *args: object) -> None:
         """A warning, at most one per kind every 10 s (a flood must not flood the log)."""

@@ -29,7 +29,7 @@ import logging
 import threading
 from collections import Counter
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, AsyncIterator
 
 import grpc
@@ -52,6 +52,9 @@ log = logging.getLogger(__name__)
 
 SERVICE = "lsgd.v1.GlobalServer"
 METHOD = f"/{SERVICE}/Session"
+SERVER_SAID = (("lsgd-status", "server"),)  # trailing metadata of every status it sends
+MAX_MESSAGE = 64 * 1024  # bytes; a session message carries one small call (about 100 B)
+DIGEST_POLL = 0.05  # seconds between looks while a digest question waits
 START_WAIT = 10.0  # seconds the server may take to start listening
 
 
@@ -61,7 +64,7 @@ class _Stream:
     host: str
     node: int | None = None  # once its opening was checked
     cancelled: str = ""
-    tags: Counter = field(default_factory=Counter)
+    task: asyncio.Task | None = None  # the handler's
 
 
 class _LoopContext(CallContext):
@@ -91,7 +94,7 @@ class SessionServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = None
         self._thread: threading.Thread | None = None
-        self._pool = futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="lsgd-digest")
+        self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="lsgd-digest")
         self._waiters: tuple[set, set] = (set(), set())  # futures of credit polls, barriers
         self._open: set[_Stream] = set()
         self._pending: Counter[str] = Counter()  # host -> streams whose opening is unchecked
@@ -210,16 +213,20 @@ class SessionServer:
     # ------------------------------------------------------------------ a stream
     async def _serve(self, requests: AsyncIterator[bytes], context) -> AsyncIterator[pb.SessionReply]:  # noqa: ANN001
         self.s.calls.add("Session")  # every stream, as the synchronous server counts calls
+        if self.verifier is not None and not any(k == SIGNATURE_KEY for k, _ in
+                                                 context.invocation_metadata() or ()):
+            await self._abort(context, grpc.StatusCode.UNAUTHENTICATED,
+                              self.verifier.check(None, METHOD, b""))
         stream = await self._admit(context)
         try:
             it = requests.__aiter__()
             try:
                 raw = await asyncio.wait_for(it.__anext__(), self.limits.header_wait)
             except StopAsyncIteration:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, opening_error(None))
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, opening_error(None))
             except asyncio.TimeoutError:
                 self._count("cancelled", "header")
-                await context.abort(grpc.StatusCode.CANCELLED, "no opening message within "
+                await self._abort(context, grpc.StatusCode.CANCELLED, "no opening message within "
                                     f"{self.limits.header_wait:g} s")
             first = await self._opening(raw, context)
             node = first.node
@@ -230,14 +237,14 @@ class SessionServer:
                 try:
                     req = pb.SessionRequest.FromString(raw)
                 except DecodeError:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                    await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                         "a session message does not parse")
                 if self.verifier is not None:
                     why = self.verifier.check_message(first.nonce, req)
                     if why:
-                        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+                        await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, why)
                 if req.n != expected:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                    await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                                         f"session message {req.n} out of order (expected "
                                         f"{expected})")
                 expected += 1
@@ -252,24 +259,24 @@ class SessionServer:
                               if k == SIGNATURE_KEY), None)
             why = self.verifier.check(signature, METHOD, raw)
             if why:
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+                await self._abort(context, grpc.StatusCode.UNAUTHENTICATED, why)
         try:
             first = pb.SessionRequest.FromString(raw)
         except DecodeError:
             first = None
         why = opening_error(first)
         if why:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, why)
         if self.check_nodes:
             why = _wrong_node(first, context.auth_context())
             if why:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+                await self._abort(context, grpc.StatusCode.PERMISSION_DENIED, why)
         try:
             with self.s.cond:
                 self.s._check(first.node)
                 self.s.coord._node(first.node.node_index, first.node.session, self.s.clock())
         except CoordinatorError as exc:
-            await context.abort(getattr(grpc.StatusCode, exc.code), str(exc))
+            await self._abort(context, getattr(grpc.StatusCode, exc.code), str(exc))
         return first
 
     async def _reply(self, node: pb.NodeId, req: pb.SessionRequest, peer: str) -> pb.SessionReply:
@@ -317,13 +324,21 @@ class SessionServer:
             timed_out = not await self._wait(poll.news_only, wait)
 
     async def _digest(self, call: pb.DigestRequest, ctx: _LoopContext) -> pb.DigestResponse:
+        """A ``Digest`` call: its checks on the loop; its answer looked at every
+        ``DIGEST_POLL`` s until there is one or the server's wait is over, so a wait holds no
+        thread (a leader's digest is a look-up, on the loop; a center's may hash the center
+        once per round, in the pool)."""
         self.s.digest_check(call, ctx)
-        if not call.center:  # a leader's digest: registered before its route was sent, as a rule
-            answer = self.s.digest_answer(call, 0.0)
-            if answer.sha256:
+        end = self._loop.time() + self.s.digest_wait
+        while True:
+            if call.center:
+                answer = await self._loop.run_in_executor(self._pool, self.s.digest_answer, call,
+                                                          0.0)
+            else:
+                answer = self.s.digest_answer(call, 0.0)
+            if answer.sha256 or self._loop.time() >= end:
                 return answer
-        return await self._loop.run_in_executor(self._pool, self.s.digest_answer, call,
-                                                self.s.digest_wait)
+            await asyncio.sleep(min(DIGEST_POLL, max(0.0, end - self._loop.time())))
 
     # ------------------------------------------------------------------ admission
     async def _admit(self, context) -> _Stream:  # noqa: ANN001
@@ -336,12 +351,12 @@ class SessionServer:
             kind, why = "host", (f"{host} already has {lim.pending_per_host} streams open that "
                                  "have not named a node session")
         else:
-            stream = _Stream(context, host)
+            stream = _Stream(context, host, task=asyncio.current_task())
             self._open.add(stream)
             self._pending[host] += 1
             return stream
         self._count("refused", kind)
-        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
         raise AssertionError("unreachable")
 
     def _bind(self, stream: _Stream, index: int) -> None:
@@ -355,11 +370,22 @@ class SessionServer:
             self._count("cancelled", "replaced")
             self._loop.create_task(self._end(old, grpc.StatusCode.CANCELLED, old.cancelled))
 
+    async def _abort(self, context, code: grpc.StatusCode, details: str) -> None:  # noqa: ANN001
+        """End this stream with ``code`` (counted as the synchronous server's interceptor counts
+        a failed call; marked as the server's own answer, so that the node does not take it
+        for a port it cannot reach)."""
+        self.s.stats.count("Session", code.name)
+        await context.abort(code, details, SERVER_SAID)
+
     async def _end(self, stream: _Stream, code: grpc.StatusCode, details: str) -> None:
+        """End ``stream`` from another task: its status, then its handler (which may be waiting
+        in a barrier: aborting alone would leave it running until its round closed)."""
         try:
-            await stream.context.abort(code, details)
+            await self._abort(stream.context, code, details)
         except BaseException:  # noqa: BLE001 - abort raises by design; the stream may be over
             pass
+        if stream.task is not None and stream.task is not asyncio.current_task():
+            stream.task.cancel()
 
     def _unpend(self, stream: _Stream) -> None:
         if stream.node is None and stream.host in self._pending:
@@ -386,6 +412,9 @@ class SessionServer:
 
 
 def _options() -> list:
+    """The synchronous server's options, with a message limit for session messages (an
+    8 MiB opening would be read and hashed on the loop before it is refused)."""
     from .server import SERVER_OPTIONS
 
-    return SERVER_OPTIONS
+    limits = ("grpc.max_receive_message_length", "grpc.max_send_message_length")
+    return [o for o in SERVER_OPTIONS if o[0] not in limits] + [(k, MAX_MESSAGE) for k in limits]

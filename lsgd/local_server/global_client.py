@@ -117,7 +117,8 @@ class GlobalClient:
 
     def close(self) -> None:
         self._end_stream()
-        self._use_session_port(0)
+        with self._stream_lock:
+            self._use_session_port(0)
         self._channel.close()
 
     def _use_session_port(self, port: int) -> None:

@@ -84,6 +84,8 @@ class SessionStream:
                             "the global server closed the session stream") from None
         except grpc.RpcError as exc:
             self.close()
+            if _from_server(exc):  # a status the server sent: the port is reachable
+                self.answered = True
             if self.expired:
                 raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
                                 f"no answer on the session stream within {timeout:g} s") from None
@@ -124,6 +126,15 @@ class SessionStream:
                 return
             self.expired = True
         self._call.cancel()
+
+
+def _from_server(exc: grpc.RpcError) -> bool:
+    """Whether the server itself ended the stream (its asyncio session server marks every
+    status it sends), rather than the connection failing."""
+    try:
+        return ("lsgd-status", "server") in tuple(exc.trailing_metadata() or ())
+    except Exception:  # noqa: BLE001 - an error raised locally has no trailing metadata
+        return False
 
 
 class _Watchdog:
