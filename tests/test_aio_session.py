@@ -154,30 +154,62 @@ def test_openings_need_the_secret_and_one_signed_for_a_port_is_not_replayed_on_t
         srv.stop(0.5).wait(5)
 
 
-def test_a_node_that_cannot_reach_the_session_port_uses_port_and_says_so(caplog):
+class _Silent(pb_grpc.GlobalServerServicer):
+    """A server that takes session messages and never answers."""
+
+    def Session(self, request_iterator, context):
+        for _ in request_iterator:
+            pass
+        return iter(())
+
+
+def test_a_node_that_cannot_reach_the_session_port_uses_port_and_says_so(caplog, monkeypatch):
+    from concurrent import futures
+
+    from lsgd.local_server import global_client
+
+    monkeypatch.setattr(global_client, "PORT_PROBE", 1.0)
     servicer, srv, addr = _server()
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
+    silent = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_GlobalServerServicer_to_server(_Silent(), silent)
+    mute = silent.add_insecure_port("127.0.0.1:0")
+    silent.start()
     try:
+        # 1. Nothing listens there: the join's probe finds out (within PORT_PROBE), once.
         servicer.session_port = closed
-        a, b = _joined(addr, 0), _joined(addr, 1)
-        assert a._session_port == closed
         with caplog.at_level(logging.WARNING):
-            with pytest.raises(grpc.RpcError) as e:  # this call is lost, as to a server gone
-                a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0,
-                          max_wait=0)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            a, b = _joined(addr, 0), _joined(addr, 1)
         lines = [r.getMessage() for r in caplog.records if "session port" in r.getMessage()]
-        assert len(lines) == 1 and str(closed) in lines[0] and addr in lines[0]
-        # the node loop reattaches; from then on its calls go to PORT, and stay there
-        a.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5,
-               resume=True, unanswered=(a.last_seq, 0))
+        assert len(lines) == 2 and str(closed) in lines[0] and addr in lines[0]
         assert a._session_port == 0
         g = a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
-        assert g.grant > 0 and servicer.admission.open_sessions == 1
+        assert g.grant > 0 and servicer.admission.open_sessions == 1  # on PORT
         a.close(), b.close()
+        # 2. It connects but never answers: the first call's deadline, then PORT for good.
+        caplog.clear()
+        monkeypatch.setattr(global_client, "RPC_TIMEOUT", 1.0)
+        srv.stop(0.5).wait(5)
+        servicer, srv, addr = _server()  # a job of its own
+        servicer.session_port = mute
+        c = _joined(addr, 0)
+        assert c._session_port == mute
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(grpc.RpcError) as e:  # this call is lost, as to a server gone
+                c.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0,
+                          max_wait=0)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        lines = [r.getMessage() for r in caplog.records if "session port" in r.getMessage()]
+        assert len(lines) == 1 and str(mute) in lines[0]
+        c.join(workers=2, param_count=10, algorithm="lsgd", num_groups=2, connect_timeout=5,
+               resume=True, unanswered=(c.last_seq, 0))
+        assert c._session_port == 0  # the same server: it stays on PORT
+        c.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        c.close()
     finally:
+        silent.stop(0).wait(5)
         srv.stop(0.5).wait(5)
 
 

@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 CHUNK = 1 << 17  # upload
 PULL_CHUNK = 1 << 17  # download, asked of the server
 RPC_TIMEOUT = 10.0  # seconds for short calls
+PORT_PROBE = 3.0  # seconds a node gives the server's session port to connect, once per server
 CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.enable_retries", 0)]  # retries are ours, explicit
 WIRE_FORMATS = {"float32": pb.WIRE_FORMAT_UNSPECIFIED, "bfloat16": pb.WIRE_FORMAT_BFLOAT16}
 REPORT_EVERY = 3  # intervals between beats at most, while the node loop's calls keep it alive
@@ -121,6 +122,22 @@ class GlobalClient:
             self._use_session_port(0)
         self._channel.close()
 
+    def _session_port_ready(self, epoch: int) -> bool:
+        """Whether the session port connects within ``PORT_PROBE`` seconds (a firewall that
+        drops its packets would otherwise cost the node's first call its whole deadline)."""
+        try:
+            grpc.channel_ready_future(self._session_channel).result(timeout=PORT_PROBE)
+            return True
+        except grpc.FutureTimeoutError:
+            self._unreachable = (epoch, self._session_port)
+            self._warn_unreachable(self._session_port, f"no connection within {PORT_PROBE:g} s")
+            return False
+
+    def _warn_unreachable(self, port: int, why: str) -> None:
+        log.warning("node %d: the global server's session port %d did not answer (%s); the "
+                    "node's credit and round calls go to %s instead (open SESSION_PORT too for "
+                    "a job of hundreds of nodes)", self.node_index, port, why, self.address)
+
     def _use_session_port(self, port: int) -> None:
         """Open session streams on the server's ``port`` from now on (0: on ``address``)."""
         if port == self._session_port and (self._session_channel is not None or not port):
@@ -163,10 +180,7 @@ class GlobalClient:
             if s.port and s.broken and not s.answered and exc.code() in (
                     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                 # never answered there: a firewall, most likely; PORT is known to work
-                log.warning("node %d: the global server's session port %d did not answer (%s); "
-                            "the node's credit and round calls go to %s instead (open "
-                            "SESSION_PORT too for a job of hundreds of nodes)", self.node_index,
-                            s.port, exc.details(), self.address)
+                self._warn_unreachable(s.port, exc.details())
                 with self._stream_lock:
                     self._unreachable = (self.epoch, s.port)
                     if self._session_port == s.port:
@@ -213,6 +227,9 @@ class GlobalClient:
                     self._end_stream()
                     with self._stream_lock:
                         self._use_session_port(port)
+                    if port and not self._session_port_ready(resp.epoch):
+                        with self._stream_lock:
+                            self._use_session_port(0)
                 self.session, self.epoch, self._join_seq = resp.session, resp.epoch, 0
                 self._end_stream()  # the next call opens a stream on this attachment
                 return resp
