@@ -145,7 +145,7 @@ class _Beat(threading.Thread):
     def run(self) -> None:
         from lsgd.proto import lsgd_pb2 as pb
 
-        from lsgd.local_server.global_client import REPORT_EVERY
+        from lsgd.local_server.heartbeat import REPORT_EVERY
 
         beaten = -math.inf
         while not self.halt.wait(self.interval):

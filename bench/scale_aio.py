@@ -40,7 +40,8 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
     import grpc
     import numpy as np
 
-    from lsgd.local_server.global_client import CHANNEL_OPTIONS, REPORT_EVERY
+    from lsgd.local_server.global_client import CHANNEL_OPTIONS
+    from lsgd.local_server.heartbeat import REPORT_EVERY
     from lsgd.proto import lsgd_pb2 as pb
     from lsgd.proto import lsgd_pb2_grpc as pb_grpc
     from lsgd.rules.base import RoundKind

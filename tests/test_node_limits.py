@@ -167,7 +167,7 @@ def test_the_heartbeat_stops_while_the_node_loop_is_stuck_and_goes_on_after():
     # the process is up but its loop is stuck: the server must drop the node (and the
     # liveness probe then fails), so the heartbeat thread no longer speaks for it
     import time
-    from lsgd.local_server.global_client import Heartbeat
+    from lsgd.local_server.heartbeat import Heartbeat
     silent = {"s": 0.0}
     client = _BeatCounter()
     hb = Heartbeat(client, interval=0.02, give_up=10.0, loop_silent=lambda: silent["s"],
@@ -197,7 +197,7 @@ def test_beats_thin_out_while_the_node_loops_own_calls_are_answered():
     # status report, one every REPORT_EVERY intervals
     import threading
     import time
-    from lsgd.local_server.global_client import REPORT_EVERY, Heartbeat
+    from lsgd.local_server.heartbeat import REPORT_EVERY, Heartbeat
     client = _BeatCounter()
     busy = threading.Event()
 

@@ -13,7 +13,7 @@ import pytest
 from lsgd.config import JobConfig
 from lsgd.leader import Candidate
 from lsgd.local_server import view as view_mod
-from lsgd.local_server.global_client import MAX_EVALUATIONS, node_report
+from lsgd.local_server.heartbeat import MAX_EVALUATIONS, node_report
 from lsgd.local_server.progress import Progress, choose_mode, duration, progress_line
 from lsgd.local_server.summary import budget_reason, final_lines, status_page, where_to_look
 from lsgd.local_server.view import NodeView

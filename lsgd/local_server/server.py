@@ -49,8 +49,8 @@ from .chain import ChainMixin
 from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
 from ..global_server.membership import FINISHING
-from .global_client import (CreditAnswer, GlobalClient, GlobalUnreachable, Heartbeat,
-                            stop_reason_of)
+from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, stop_reason_of
+from .heartbeat import Heartbeat
 from .inbox import Inbox
 from .liveness import LoopBeat, stale_after
 from .metrics import MetricsWriter
