@@ -37,7 +37,10 @@ polling the page every second; the global server's CPU in both.
 Standalone: ``PYTHONPATH=. python -m bench.scale [--quick] [--status]``;
 ``python -m bench.scale --sweep 64 256 512``: the paced scenario at each node count (issue 15);
 ``... --sweep 64 256 --against REV`` runs revision REV's sweep too, count by count, and prints
-the ratios.
+the ratios. ``--nodes-on asyncio``: the simulated nodes as tasks of one event loop per client
+process (``bench/scale_aio.py``; they cost the host about half what the threads cost);
+``--sessions both``: each count once with the nodes' streams on the synchronous server
+(``SESSION_PORT=0``) and once on the asyncio one, in the same run.
 """
 
 from __future__ import annotations
