@@ -8,6 +8,22 @@ move through node shared memory. See ``docs/architecture.md``.
 __version__ = "0.1.0"
 
 
+def _child_ignores_ctrl_c() -> None:
+    """In a process lsgd starts (the global server, a worker), imported while multiprocessing
+    still sets the process up (unpickling its target imports lsgd first): ignore SIGINT from
+    here on. Ctrl-C reaches the node's whole process group; the node decides how its children
+    stop, and one arriving while a child was still importing ended it with a KeyboardInterrupt
+    traceback. (Both kinds of child ignore SIGINT anyway once they run.)"""
+    import multiprocessing
+    import signal
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+_child_ignores_ctrl_c()
+
+
 def connect(params=None, evaluate=None, *, buffers="local", grad_norm=None):
     """This process's lsgd worker (see ``lsgd.worker.client.connect``).
 

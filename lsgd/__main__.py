@@ -4,10 +4,17 @@ import sys
 
 try:
     from .cli import main
+except KeyboardInterrupt:  # Ctrl-C while Python was still importing lsgd
+    print("lsgd: interrupted", file=sys.stderr)
+    sys.exit(130)
 except ModuleNotFoundError as exc:  # run by a Python without lsgd's dependencies
     print(f"lsgd: error: {sys.executable} cannot import '{exc.name}', which lsgd needs; run "
           "it with the Python lsgd was installed into (activate its virtualenv, or set "
           "PYTHON for train.sh), or install lsgd there: pip install -e .", file=sys.stderr)
     sys.exit(2)
 
-sys.exit(main())
+try:
+    sys.exit(main())
+except KeyboardInterrupt:  # before the node's own signal handling was in place
+    print("lsgd: interrupted", file=sys.stderr)
+    sys.exit(130)
