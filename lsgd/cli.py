@@ -264,22 +264,34 @@ class _Supervisor(threading.Thread):
 
 
 def _port_taken(config: JobConfig) -> str | None:
-    """Node 0: a line saying that ``PORT`` is taken on the address the global server binds
-    (the race with another program that takes it after this check ends as before, exit 1)."""
-    if config.node_index != 0 or config.port == 0:
+    """Node 0: a line saying that ``PORT`` or ``SESSION_PORT`` is taken on the address the
+    global server binds (the race with another program that takes it after this check ends
+    as before, exit 1)."""
+    if config.node_index != 0:
         return None
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
+    if config.port and _taken(bind, config.port):
+        return (f"PORT {config.port} is taken on {bind} (another lsgd job or another "
+                f"program listens there); pick another with PORT=<n> on every node, or "
+                f"PORT=0 on a single machine for any free port")
+    session = config.session_address
+    if session and _taken(bind, session):
+        return (f"SESSION_PORT {session} is taken on {bind} (another lsgd job or another "
+                f"program listens there{'; empty SESSION_PORT means PORT+2' if config.session_port is None else ''}); "
+                "set SESSION_PORT=<n> to a free port, or SESSION_PORT=0 to serve the nodes' "
+                "session streams on PORT")
+    return None
+
+
+def _taken(bind: str, port: int) -> bool:
+    """Whether ``port`` is in use on ``bind`` (anything else the server reports itself)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC binds
         try:
-            probe.bind((bind, config.port))
+            probe.bind((bind, port))
         except OSError as exc:
-            if exc.errno != errno.EADDRINUSE:
-                return None  # the global server reports anything else itself
-            return (f"PORT {config.port} is taken on {bind} (another lsgd job or another "
-                    f"program listens there); pick another with PORT=<n> on every node, or "
-                    f"PORT=0 on a single machine for any free port")
-    return None
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def _data_port_taken(config: JobConfig) -> str | None:

@@ -144,8 +144,10 @@ class JobConfig:
              f"session_port must be in 0..65535 (0: off), got {self.session_port}")
         need(not self.session_address or self.session_address not in (self.port,
                                                                        self.status_address),
-             f"session_port {self.session_address} (SESSION_PORT; empty: PORT+2) is also PORT or "
-             "STATUS_PORT; give each its own port")
+             f"session_port {self.session_address} is also PORT or STATUS_PORT; give each its own "
+             "port" if self.session_port is not None else
+             f"STATUS_PORT {self.status_address} is PORT+2, the default SESSION_PORT (the nodes' "
+             "session streams); set SESSION_PORT to another port, or 0 to serve them on PORT")
         need(self.status_port is None or 0 <= self.status_port <= 65535,
              f"status_port must be in 0..65535 (0: off), got {self.status_port}")
         need(self.progress_every >= 0 and math.isfinite(self.progress_every),

@@ -213,6 +213,40 @@ def test_a_node_that_cannot_reach_the_session_port_uses_port_and_says_so(caplog,
         srv.stop(0.5).wait(5)
 
 
+def test_a_session_port_lost_mid_job_costs_no_call_and_a_server_gone_is_no_port_problem(caplog):
+    servicer, srv, addr = _server()
+    with socket.socket() as s:  # a port nothing listens on (the session port "lost")
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    try:
+        a, b = _joined(addr, 0), _joined(addr, 1)
+        a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        a._end_stream()
+        with a._stream_lock:
+            a._use_session_port(closed)  # its next stream finds nothing there
+        with caplog.at_level(logging.WARNING):
+            g = a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        assert g.grant >= 0 and a._session_port == 0  # answered on PORT: no reattach needed
+        assert len([r for r in caplog.records if "session port" in r.getMessage()]) == 1
+        a.close(), b.close()
+        # The whole server goes away (a restart): the node does not blame the session port.
+        servicer2, srv2, addr2 = _server()
+        d, e = _joined(addr2, 0), _joined(addr2, 1)
+        d.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        port = d._session_port
+        srv2.stop(0).wait(5)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            with pytest.raises(grpc.RpcError) as err:
+                d.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert d._session_port == port and not [
+            r for r in caplog.records if "session port" in r.getMessage()]
+        d.close(), e.close()
+    finally:
+        srv.stop(0.5).wait(5)
+
+
 def test_stopping_the_server_ends_open_streams_with_unavailable():
     servicer, srv, addr = _server()
     a, b = _joined(addr, 0), _joined(addr, 1)

@@ -41,7 +41,8 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("PLANE_FANOUT", "2"),), "with plane star it does nothing: set PLANE=chain"),
     ((("SESSION_PORT", "70000"),), "session_port must be in 0..65535 (0: off), got 70000"),
     ((("PORT", "50051"), ("STATUS_PORT", "50053")),
-     "session_port 50053 (SESSION_PORT; empty: PORT+2) is also PORT or STATUS_PORT"),
+     "STATUS_PORT 50053 is PORT+2, the default SESSION_PORT"),
+    ((("SESSION_PORT", "50051"),), "session_port 50051 is also PORT or STATUS_PORT"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

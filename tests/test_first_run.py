@@ -59,6 +59,21 @@ def test_a_port_in_use_is_one_line(tmp_path):
                      "on a single machine for any free port"], res.stderr
 
 
+def test_a_session_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:  # PORT+2, the default SESSION_PORT, of a free PORT
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run_train(tmp_path, PORT=port - 2, timeout=30)
+        explicit = run_train(tmp_path, PORT=0, SESSION_PORT=port, timeout=30)
+    for r, why in ((res, "; empty SESSION_PORT means PORT+2"), (explicit, "")):
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"lsgd: error: SESSION_PORT {port} is taken on 127.0.0.1 (another lsgd job or "
+            f"another program listens there{why}); set SESSION_PORT=<n> to a free port, or "
+            "SESSION_PORT=0 to serve the nodes' session streams on PORT"], r.stderr
+
+
 @pytest.mark.parametrize("entry, expected", [
     ("nosuch_pkg.train:main", "ENTRY 'nosuch_pkg.train:main': no module named 'nosuch_pkg.train' "
                               "(check ENTRY and PYTHONPATH)"),

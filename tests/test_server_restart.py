@@ -182,3 +182,41 @@ def test_the_rounds_journal_never_lends_its_counter_to_older_request_numbers(tmp
     got = j.load(state)
     assert (got["rounds_opened"], got["target"], got["period_start"]) == (5, 160, 128)
     assert got["done"] == 100 and got["nodes"] == state["nodes"]
+
+
+def test_a_restarted_server_whose_session_port_is_taken_serves_the_streams_on_port(tmp_path):
+    """A restart mid-job cannot wait for the port: the nodes are waiting. It says so and the
+    nodes' streams go to PORT (at its first start, the same is an error: exit 2, test_first_run)."""
+    import socket
+
+    config = JobConfig(num_groups=1, workers=1, job_id="job", algorithm="lsgd", l_comm=2,
+                       g_comm=2, state_every=0.1, node_timeout=30, port=0,
+                       run_dir=str(tmp_path), join_timeout=60)
+    proc, ready = cli._start_global(config, logging.WARNING, None)
+    port = cli._await_global(proc, ready)
+    c = GlobalClient(f"127.0.0.1:{port}", "job", 0, round_timeout=5.0)
+    taken = socket.socket()
+    try:
+        c.join(workers=1, param_count=4, algorithm="lsgd", num_groups=1, connect_timeout=10)
+        session = c._session_port
+        assert session
+        held = c.acquire(consumed=0, late=0, released=0, want=1, last_round_seen=0,
+                         max_wait=0.5).grant
+        time.sleep(0.5)  # a state save with the node in it
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join(10)
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # its old connections
+        taken.bind(("127.0.0.1", session))
+        taken.listen()
+        proc, ready = cli._start_global(config.replace(port=port, session_port=session),
+                                        logging.WARNING, None, restore=True)
+        assert cli._await_global(proc, ready) == port
+        c.join(workers=1, param_count=4, algorithm="lsgd", num_groups=1, connect_timeout=10,
+               resume=True, held=held)
+        assert c._session_port == 0  # told: no session port on this server
+        c.acquire(consumed=held, late=0, released=0, want=1, last_round_seen=0, max_wait=0.5)
+    finally:
+        taken.close()
+        c.close()
+        proc.terminate()
+        proc.join(10)

@@ -112,6 +112,16 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
     limits = limits or Limits.for_job(servicer.coord.num_groups, servicer.round_timeout)
     servicer.admission = Admission(limits)
     checks = security.server_interceptors()
+    sessions = None
+    if session_address is not None:  # first: a port it cannot have leaves nothing bound
+        # one nonce memory for both ports: a signed opening is not replayed on the other
+        sessions = SessionServer(servicer, limits, security, checks[0].verifier)
+        try:
+            servicer.session_port = sessions.start(session_address)
+        except OSError as exc:
+            sessions.stop(0)
+            raise OSError(f"{exc} (SESSION_PORT, the nodes' session streams; empty: PORT+2); "
+                          "set SESSION_PORT to a free port, or 0 to serve them on PORT") from None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads,
                                                     thread_name_prefix="lsgd-global"),
                          options=SERVER_OPTIONS,
@@ -123,22 +133,18 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
                                  node_health=servicer.node_health)
     creds = security.server_credentials()
     try:
-        port = server.add_secure_port(address, creds) if creds else server.add_insecure_port(address)
-    except RuntimeError as exc:
-        raise OSError(f"cannot listen on {address}: {exc}") from exc
-    if port == 0:
-        raise OSError(f"cannot listen on {address} (address in use or not local)")
-    sessions = None
-    if session_address is not None:
-        # one nonce memory for both ports: a signed opening is not replayed on the other
-        sessions = SessionServer(servicer, limits, security, checks[0].verifier)
         try:
-            servicer.session_port = sessions.start(session_address)
-        except OSError as exc:
-            server.stop(0)
+            port = (server.add_secure_port(address, creds) if creds
+                    else server.add_insecure_port(address))
+        except RuntimeError as exc:
+            raise OSError(f"cannot listen on {address}: {exc}") from exc
+        if port == 0:
+            raise OSError(f"cannot listen on {address} (address in use or not local)")
+    except OSError:
+        if sessions is not None:
             sessions.stop(0)
-            raise OSError(f"{exc} (SESSION_PORT, the nodes' session streams; empty: PORT+2); "
-                          "set SESSION_PORT to a free port, or 0 to serve them on PORT") from None
+            servicer.session_port = 0
+        raise
     server.start()
     return GlobalServers(server, sessions), port
 
@@ -191,9 +197,18 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
         session = config.session_address
-        server, port = create_server(f"{bind}:{config.port}", servicer, security=security,
-                                     session_address=None if session is None
-                                     else f"{bind}:{session}")
+        try:
+            server, port = create_server(f"{bind}:{config.port}", servicer, security=security,
+                                         session_address=None if session is None
+                                         else f"{bind}:{session}")
+        except OSError as exc:
+            if not (restore and session is not None and "SESSION_PORT" in str(exc)):
+                raise
+            # A restart mid-job: the nodes are waiting; the session streams can go to PORT
+            # (every node falls back to it when the session port does not answer).
+            log.warning("%s; this restarted server serves the nodes' session streams on PORT",
+                        exc)
+            server, port = create_server(f"{bind}:{config.port}", servicer, security=security)
     except OSError as exc:
         if ready is not None:
             ready.send(("error", str(exc)))
@@ -254,6 +269,7 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
             summary = coord.snapshot() | {"finished": coord.finished, "pid": os.getpid(),
                                           "parameter_bytes": {"in": bytes_in, "out": bytes_out},
                                           "calls": dict(servicer.calls.counts),
+                                          "session_port": servicer.session_port,
                                           "refused": dict(servicer.admission.refused),
                                           "cancelled": dict(servicer.admission.cancelled),
                                           "rule_failures": servicer.params.rule_failures,

@@ -173,15 +173,31 @@ class GlobalClient:
         try:
             return s.call(field, request.SerializeToString(), timeout)
         except grpc.RpcError as exc:
-            if s.port and s.broken and not s.answered and exc.code() in (
-                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                # never answered there: a firewall, most likely; PORT is known to work
-                self._warn_unreachable(s.port, exc.details())
-                with self._stream_lock:
-                    self._unreachable = (self.epoch, s.port)
-                    if self._session_port == s.port:
-                        self._use_session_port(0)
-            raise
+            if not (s.port and s.broken and not s.answered and exc.code() in (
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
+                raise
+            if not self._port_answers():  # PORT is gone too: the server is, not the port
+                raise
+            # never answered there, while PORT works: a firewall, most likely
+            self._warn_unreachable(s.port, exc.details())
+            with self._stream_lock:
+                self._unreachable = (self.epoch, s.port)
+                if self._session_port == s.port:
+                    self._use_session_port(0)
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise  # it may have arrived: the node loop's retry rules decide
+            # it never reached the server: the same call on PORT (a retry of a numbered
+            # credit request, a report or a digest question gets the same answer anyway)
+            return self._on_stream(field, request, timeout)
+
+    def _port_answers(self) -> bool:
+        """Whether ``PORT`` connects (within a second): when it does not either, a failed
+        session stream says nothing about the session port."""
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=1.0)
+            return True
+        except grpc.FutureTimeoutError:
+            return False
 
     def _node(self) -> pb.NodeId:
         return pb.NodeId(job_id=self.job_id, node_index=self.node_index, session=self.session)
