@@ -14,10 +14,12 @@ def _child_ignores_ctrl_c() -> None:
     here on. Ctrl-C reaches the node's whole process group; the node decides how its children
     stop, and one arriving while a child was still importing ended it with a KeyboardInterrupt
     traceback. (Both kinds of child ignore SIGINT anyway once they run.)"""
-    import multiprocessing
-    import signal
+    import sys
 
-    if getattr(multiprocessing.current_process(), "_inheriting", False):
+    mp = sys.modules.get("multiprocessing")  # a spawned child has it already; nobody else
+    if mp is not None and getattr(mp.current_process(), "_inheriting", False):  # needs it here
+        import signal
+
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 

@@ -24,6 +24,7 @@ the user's code puts in a group or session of its own (``start_new_session=True`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.process
@@ -32,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("lsgd.local_server.server")
 
@@ -41,10 +42,32 @@ WATCH = 0.25  # seconds between a worker's checks that its local server is alive
 _started: list[mp.process.BaseProcess] = []  # every worker process this node started
 
 
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Start child processes with SIGINT ignored from their first instruction: an ignored
+    signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler.
+    Ctrl-C reaches the node's whole process group, and one arriving while a child was still
+    starting (Python's own imports, before it could ignore it) ended the child with a
+    traceback. Here SIGINT is blocked meanwhile, so one that comes is held (Linux keeps a
+    blocked signal pending even while it is ignored) and handled once the handler is back.
+    Only the main thread can change handlers: elsewhere, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
 def start_process(ctx: Any, target: Callable, args: tuple, name: str) -> mp.process.BaseProcess:
     """Start a worker process (non-daemonic; see the module doc)."""
     proc = ctx.Process(target=target, args=args, name=name, daemon=False)
-    proc.start()
+    with children_ignore_sigint():
+        proc.start()
     _started[:] = [p for p in _started if p.exitcode is None] + [proc]
     return proc
 
