@@ -42,7 +42,7 @@ from .admission import Limits, _host
 from .coordinator import CoordinatorError
 from .params import ParamError
 from .polls import CreditPoll, RoundBarrier
-from .session import CALLS, CallContext, Refused, opening_error
+from .session import CallContext, Refused, method_of, opening_error, parse_call
 
 if TYPE_CHECKING:
     from ..security import Security
@@ -280,25 +280,10 @@ class SessionServer:
         return first
 
     async def _reply(self, node: pb.NodeId, req: pb.SessionRequest, peer: str) -> pb.SessionReply:
-        fields = [f for f in CALLS if getattr(req, f)]
-        method = CALLS[fields[0]][0] if fields else "ReportRound"
+        method = method_of(req)
         ctx = _LoopContext(peer)
         try:
-            if len(fields) != 1:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"session message {req.n} must carry exactly one call")
-            field_, (_, kind) = fields[0], CALLS[fields[0]]
-            try:
-                call = kind.FromString(getattr(req, field_))
-            except DecodeError:
-                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"session message {req.n}: its call does not parse") from None
-            if call.node != node:
-                raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                              f"session message {req.n} is for node {call.node.node_index} "
-                              f"session {call.node.session}; this stream is node "
-                              f"{node.node_index} session {node.session}'s (open a stream per "
-                              "session)")
+            field_, call = parse_call(node, req)
             try:
                 if field_ == "digest":
                     answer = await self._digest(call, ctx)

@@ -98,10 +98,10 @@ def serve(servicer: "GlobalServicer", requests: Iterator[pb.SessionRequest],
         expected += 1
         try:
             field, answer = _answer(servicer, node, req, CallContext(context))
-            servicer.calls.add(_method(req))
+            servicer.calls.add(method_of(req))
             yield pb.SessionReply(n=req.n, **{field: answer})
         except Refused as r:
-            servicer.stats.count(_method(req), r.code.name)
+            servicer.stats.count(method_of(req), r.code.name)
             yield pb.SessionReply(n=req.n, code=r.code.value[0], details=r.details)
 
 
@@ -109,22 +109,23 @@ def _fields(req: pb.SessionRequest) -> list[str]:
     return [f for f in CALLS if getattr(req, f)]
 
 
-def _method(req: pb.SessionRequest) -> str:
+def method_of(req: pb.SessionRequest) -> str:
+    """The method a session message's call counts under (refusals included)."""
     fields = _fields(req)
     return CALLS[fields[0]][0] if fields else "ReportRound"
 
 
-def _answer(servicer: "GlobalServicer", node: pb.NodeId, req: pb.SessionRequest,
-            ctx: CallContext) -> tuple[str, object]:
-    """The reply's field and the call's answer; ``Refused`` when it is refused."""
+def parse_call(node: pb.NodeId, req: pb.SessionRequest) -> tuple[str, object]:
+    """The call a session message carries, for this stream's ``node``: (its field, the parsed
+    request); ``Refused`` when there is not exactly one, it does not parse, or it is another
+    node's or session's. Both servers' streams read their messages with it."""
     fields = _fields(req)
     if len(fields) != 1:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"session message {req.n} must carry exactly one call")
     field = fields[0]
-    method, kind = CALLS[field]
     try:
-        call = kind.FromString(getattr(req, field))
+        call = CALLS[field][1].FromString(getattr(req, field))
     except DecodeError:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"session message {req.n}: its call does not parse") from None
@@ -133,4 +134,11 @@ def _answer(servicer: "GlobalServicer", node: pb.NodeId, req: pb.SessionRequest,
                       f"session message {req.n} is for node {call.node.node_index} session "
                       f"{call.node.session}; this stream is node {node.node_index} session "
                       f"{node.session}'s (open a stream per session)")
-    return field, getattr(servicer, method)(call, ctx)
+    return field, call
+
+
+def _answer(servicer: "GlobalServicer", node: pb.NodeId, req: pb.SessionRequest,
+            ctx: CallContext) -> tuple[str, object]:
+    """The reply's field and the call's answer; ``Refused`` when it is refused."""
+    field, call = parse_call(node, req)
+    return field, getattr(servicer, CALLS[field][0])(call, ctx)
