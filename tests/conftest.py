@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -99,10 +100,34 @@ class Node:
                                      preexec_fn=_ignore_sigint if ignore_sigint else None)
 
     def wait(self, timeout: float) -> int:
+        """The node's exit code; past ``timeout``, a failure that says what each of its
+        processes was doing (and the node's output), not a bare ``TimeoutExpired``."""
         try:
             return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"node {self.index} still running after {timeout:g} s\n"
+                                 f"{self.describe()}\n--- its output:\n{self.output}") from None
         finally:
             self._logf.flush()
+
+    def describe(self) -> str:
+        """Each live process of the node: state, kernel wait of every thread, command line,
+        and its Python stacks where py-spy is installed."""
+        spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}"
+                                          f"{os.environ.get('PATH', '')}")
+        lines = []
+        for pid in session_pids(self.proc.pid):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                waits = sorted({(t / "wchan").read_text() for t in Path(f"/proc/{pid}/task").iterdir()})
+            except OSError:
+                continue
+            lines.append(f"pid {pid}: {cmd[:200]}; threads wait in {waits}")
+            if spy:
+                dump = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True,
+                                      text=True, timeout=30)
+                lines.append(dump.stdout + dump.stderr)
+        return "\n".join(lines) or "(no process left)"
 
     def wait_session_gone(self, timeout: float) -> list[int]:
         """Wait until no process of this node's session is left; returns the survivors."""

@@ -207,3 +207,25 @@ def test_signal_stops_everything_and_removes_shared_memory(cluster, sig, inherit
     assert "Traceback" not in node.output
     assert_clean_exit(cluster.run_dir, [node])
 
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_at_any_moment_of_the_start_prints_no_traceback_and_leaves_nothing(cluster):
+    """Ctrl-C while Python still imports lsgd, while the global server process or the workers
+    start (their own imports), or just after: exit 130, one line, no traceback, nothing left.
+    (Not in Python's own first ~0.1 s, before any of lsgd runs: there a Ctrl-C can still end
+    the start with Python's traceback.)"""
+    import os
+
+    for delay in (0.2, 0.4, 0.6, 1.0, 1.5, 2.5):
+        node = cluster(0, PORT=0, ITERATIONS=10**9, TOYJOB_STEP_SECONDS="0.001", **TOY)
+        time.sleep(delay)
+        os.killpg(node.proc.pid, signal.SIGINT)
+        rc = node.wait(30)
+        # 130, or (rarely, the earliest delays) killed by the SIGINT itself: Python was not
+        # yet, or no longer, handling it; a shell shows both as 130
+        assert rc in (130, -signal.SIGINT), f"{delay} s: {rc}\n{node.output}"
+        assert "Traceback" not in node.output and "KeyboardInterrupt" not in node.output, \
+            f"{delay} s:\n{node.output}"
+        assert not node.wait_session_gone(10), \
+            f"{delay} s: a process of the node survived\n{node.describe()}"
+        assert not shm_segments(cluster.job_id), f"{delay} s: a segment left in /dev/shm"
