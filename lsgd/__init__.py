@@ -12,8 +12,10 @@ def _child_ignores_ctrl_c() -> None:
     """In a process lsgd starts (the global server, a worker), imported while multiprocessing
     still sets the process up (unpickling its target imports lsgd first): ignore SIGINT from
     here on. Ctrl-C reaches the node's whole process group; the node decides how its children
-    stop, and one arriving while a child was still importing ended it with a KeyboardInterrupt
-    traceback. (Both kinds of child ignore SIGINT anyway once they run.)"""
+    stop. Such a child normally ignores SIGINT from its first instruction already (it starts
+    through the launcher of ``local_server.procs.ignore_sigint_in_children``); this covers a
+    node that could not write the launcher. (Both kinds of child ignore SIGINT anyway once
+    they run.)"""
     import sys
 
     mp = sys.modules.get("multiprocessing")  # a spawned child has it already; nobody else

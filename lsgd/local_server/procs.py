@@ -24,7 +24,6 @@ the user's code puts in a group or session of its own (``start_new_session=True`
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.process
@@ -33,7 +32,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 log = logging.getLogger("lsgd.local_server.server")
 
@@ -42,32 +41,65 @@ WATCH = 0.25  # seconds between a worker's checks that its local server is alive
 _started: list[mp.process.BaseProcess] = []  # every worker process this node started
 
 
-@contextlib.contextmanager
-def children_ignore_sigint() -> Iterator[None]:
-    """Start child processes with SIGINT ignored from their first instruction: an ignored
-    signal stays ignored across exec, and Python then installs no KeyboardInterrupt handler.
+_LAUNCHER = """#!/bin/sh
+# Written by lsgd (lsgd/local_server/procs.py) and removed when the node exits: starts a process
+# of the node (the global server, a worker) with SIGINT ignored from its first instruction.
+trap '' INT
+exec {python} "$@"
+"""
+_launcher_lock = threading.Lock()
+_launcher: list[str] = []  # the launcher's path once written ("" where none can be used)
+
+
+def ignore_sigint_in_children() -> None:
+    """From now on, the processes this node spawns start with SIGINT ignored.
+
     Ctrl-C reaches the node's whole process group, and one arriving while a child was still
-    starting (Python's own imports, before it could ignore it) ended the child with a
-    traceback. Here SIGINT is blocked meanwhile, so one that comes is held (Linux keeps a
-    blocked signal pending even while it is ignored) and handled once the handler is back.
-    Only the main thread can change handlers: elsewhere, nothing changes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    starting (Python's own imports, before it could ignore it) ended that child with a
+    ``KeyboardInterrupt`` traceback; the node decides how its children stop. An ignored signal
+    stays ignored across exec, so ``multiprocessing`` starts them through a two-line ``/bin/sh``
+    launcher that ignores SIGINT, then execs Python. This process's own handling of SIGINT is
+    never touched: setting it to ignored around each start lost a Ctrl-C that came meanwhile
+    (any other thread took it and dropped it), and the node then trained on.
+
+    Where the temporary directory is mounted ``noexec`` (or there is no ``/bin/sh``), children
+    start as before and ignore SIGINT from their first import of lsgd (``lsgd/__init__.py``).
+    """
+    import multiprocessing.spawn as spawn
+
+    with _launcher_lock:
+        if not _launcher:
+            _launcher.append(_write_launcher(spawn.get_executable()))
+        if _launcher[0] and os.fsdecode(spawn.get_executable()) != _launcher[0]:
+            spawn.set_executable(_launcher[0])
+
+
+def _write_launcher(python: str) -> str:
+    import shlex
+    import shutil
+    import tempfile
+
+    if not os.path.exists("/bin/sh"):
+        return ""
     try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        folder = tempfile.mkdtemp(prefix="lsgd-launch-")
+    except OSError:
+        return ""
+    atexit.register(shutil.rmtree, folder, True)
+    if os.statvfs(folder).f_flag & os.ST_NOEXEC:
+        return ""
+    path = os.path.join(folder, "python")
+    with open(path, "w") as f:
+        f.write(_LAUNCHER.format(python=shlex.quote(os.fsdecode(python))))
+    os.chmod(path, 0o700)
+    return path
 
 
 def start_process(ctx: Any, target: Callable, args: tuple, name: str) -> mp.process.BaseProcess:
     """Start a worker process (non-daemonic; see the module doc)."""
     proc = ctx.Process(target=target, args=args, name=name, daemon=False)
-    with children_ignore_sigint():
-        proc.start()
+    ignore_sigint_in_children()
+    proc.start()
     _started[:] = [p for p in _started if p.exitcode is None] + [proc]
     return proc
 
