@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from lsgd.plane.node import DataPlane, RouteInfo
+from lsgd.plane.node import DataPlane, RouteInfo, chunk_for
 from lsgd.plane.route import Kind, Reception, plan
 from lsgd.plane.wire import Header, as_bytes, receive_vector, send_vector
 
@@ -150,7 +150,8 @@ def plane(spec: dict, buf: np.ndarray) -> np.ndarray | None:
     members = list(range(len(ips)))
     route = plan(Kind.REDUCE if reduce else Kind.BROADCAST, members, 0,
                  1 if reduce else spec.get("fanout", 1))
-    info = RouteInfo(1, route, {n: f"{ips[n]}:{port}" for n in members}, 0, spec["chunk"],
+    info = RouteInfo(1, route, {n: f"{ips[n]}:{port}" for n in members}, 0,
+                     chunk_for(spec["count"], route.depth()),  # what a job's route would use
                      total_summands=len(ips), total_weight=float(len(ips)))
 
     def refuse(*args):

@@ -125,3 +125,21 @@ def test_a_closed_reception_takes_nothing_more():
     with pytest.raises(RouteError, match="the round ended"):
         rx.open(1)
     assert rx.offset == 4
+
+
+def test_chunks_grow_on_short_routes_and_keep_a_deep_pipelines_fill_small():
+    from lsgd.plane.messages import leader_route
+    from lsgd.plane.node import CHUNK, MAX_ROUTE_CHUNK, chunk_for
+
+    assert chunk_for(0, 3) == CHUNK  # the size is not known yet
+    assert chunk_for(25_000_000, 1) == MAX_ROUTE_CHUNK  # one hop: no fill to weigh
+    assert chunk_for(6_250_000, 15) == CHUNK  # 25 MB down 16 nodes: the floor
+    for count in (10_000, 1_000_000, 6_250_000, 25_000_000, 10**9):
+        sizes = [chunk_for(count, depth) for depth in range(1, 40)]
+        assert all(CHUNK <= c <= MAX_ROUTE_CHUNK for c in sizes)
+        assert sizes == sorted(sizes, reverse=True)  # deeper, never larger
+        for depth, c in enumerate(sizes, start=1):  # above the floor, the fill is <= 1/8
+            assert c == CHUNK or (depth - 1) * c <= count / 8
+    addresses = {n: f"127.0.0.1:{1000 + n}" for n in range(4)}
+    assert leader_route(1, [0, 1], 0, addresses, count=25_000_000).chunk == MAX_ROUTE_CHUNK
+    assert leader_route(1, [0, 1, 2, 3], 0, addresses, count=6_250_000).chunk == chunk_for(6_250_000, 3)

@@ -123,11 +123,33 @@ def test_a_chunk_out_of_place_from_a_node_with_the_secret_is_refused():
         ch.keyed(nonce)
         ch.send(wire.TO_RECEIVER, header(10).pack())
         ch.read(wire._REPLY.size + wire.MAC)
-        ch.send(wire.TO_RECEIVER, wire._CHUNK.pack(4, 2), b"\xff" * 8)  # skips 0..3
+        ch.send(wire.TO_RECEIVER, wire._CHUNK.pack(3, 7), bulk=memoryview(b"\xff" * 28))
 
     err, got = run_pair(rogue, lambda s: receive_vector(s, as_bytes(out), rx, SECRET, 5,
                                                         admit=lambda h: None))
-    assert isinstance(got, TransferError) and "a chunk at offset 4; expected 0" in str(got)
+    assert isinstance(got, TransferError) and "7 elements at 3; expected 7 at 0" in str(got)
+    assert rx.offset == 0 and not out.any()
+
+
+@pytest.mark.parametrize("secret", [SECRET, None])
+def test_a_chunk_of_another_size_than_the_headers_is_refused(secret):
+    """Every chunk but the last has the header's chunk size: a shorter one (its bytes then
+    read as the next chunk's start) is refused, and nothing of it is written."""
+    out = np.zeros(10, np.float32)
+    rx = Reception(10)
+
+    def short(s):
+        ch = wire._Channel(s, secret, deadline=wire.time.monotonic() + 5)
+        _, _, nonce = wire._HELLO.unpack(ch.read(wire._HELLO.size))
+        ch.keyed(nonce)
+        ch.send(wire.TO_RECEIVER, header(10).pack())
+        ch.read(wire._REPLY.size + wire.MAC)
+        for at in (0, 2, 4, 6, 8):  # chunks of 2 where the header says 7
+            ch.send(wire.TO_RECEIVER, wire._CHUNK.pack(at, 2), bulk=memoryview(b"\xff" * 8))
+
+    err, got = run_pair(short, lambda s: receive_vector(s, as_bytes(out), rx, secret, 5,
+                                                        admit=lambda h: None))
+    assert isinstance(got, TransferError) and "2 elements at 0; expected 7 at 0" in str(got)
     assert rx.offset == 0 and not out.any()
 
 
@@ -184,3 +206,27 @@ def test_a_member_forwards_each_chunk_as_it_arrives():
         s.close()
     assert not errors, errors
     assert np.array_equal(at_b, src) and np.array_equal(at_c, src)
+
+
+def test_a_chunk_altered_on_the_way_is_refused_and_writes_nothing():
+    """The chunk's bytes are under its MAC (AES-GMAC, bound to its number and offset): one
+    flipped byte on the wire is refused before anything reaches the staging buffer."""
+    out = np.zeros(10, np.float32)
+    rx = Reception(10)
+
+    def tampered(s):
+        ch = wire._Channel(s, SECRET, deadline=wire.time.monotonic() + 5)
+        _, _, nonce = wire._HELLO.unpack(ch.read(wire._HELLO.size))
+        ch.keyed(nonce)
+        ch.send(wire.TO_RECEIVER, header(10).pack())
+        ch.read(wire._REPLY.size + wire.MAC)
+        good = bytes(range(28))
+        bad = bytes([good[0] ^ 1]) + good[1:]
+        raw = wire._CHUNK.pack(0, 7)
+        mac = ch._mac(wire.TO_RECEIVER, ch.sent, (raw,), memoryview(good))
+        ch._sendall([raw, bad, mac])
+
+    err, got = run_pair(tampered, lambda s: receive_vector(s, as_bytes(out), rx, SECRET, 5,
+                                                           admit=lambda h: None))
+    assert isinstance(got, TransferError) and "MAC does not match" in str(got)
+    assert rx.offset == 0 and not out.any()

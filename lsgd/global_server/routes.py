@@ -28,6 +28,7 @@ class Routes:
     def __init__(self, fanout: int = 1) -> None:
         self.addresses: dict[int, str] = {}
         self.fanout = fanout
+        self.count = 0  # the model's elements, once known (they size a route's chunks)
         self.current: RouteInfo | None = None
         self.center: RouteInfo | None = None  # a reduce round's broadcast of the new center
         self.bypasses = 0
@@ -69,7 +70,7 @@ class Routes:
         or None (every node uploads its own sum, the star)."""
         weights = self.weights.pop(round_id, {})
         self.current = sum_route(round_id, {n: (p, weights.get(n, 0.0)) for n, p in reports.items()},
-                                 self.addresses)
+                                 self.addresses, self.count)
         self.center = None if self.current is None else center_route(self.current)
         return self.current
 
@@ -80,7 +81,7 @@ class Routes:
         if leader_node is None:
             return None
         self.current = leader_route(round_id, sorted(members), leader_node, self.addresses,
-                                    self.fanout)
+                                    self.fanout, self.count)
         return self.current
 
     def for_node(self, index: int, round_id: int) -> RouteInfo | None:

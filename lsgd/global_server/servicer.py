@@ -257,6 +257,7 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
                 unanswered_seq=request.unanswered_seq, unanswered_steps=request.unanswered_steps,
                 replaces_session=request.replaces_session)
             self.params.install(request.param_count, buffers)
+            self.routes.count = request.param_count  # what reserve() accepted: the model's size
             self.routes.joined(node.index, request.data_address)
             # Every node offers its initial parameters until one upload has succeeded.
             return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,

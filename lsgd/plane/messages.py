@@ -9,7 +9,7 @@ import math
 import urllib.parse
 
 from ..proto import lsgd_pb2 as pb
-from .node import CHUNK, RouteInfo
+from .node import RouteInfo, chunk_for
 from .route import Kind, Route
 from .wire import MAX_CHUNK
 
@@ -108,11 +108,11 @@ def from_pb(msg: pb.DataRoute, num_groups: int) -> RouteInfo | None:
 
 
 def leader_route(round_id: int, members: list[int], source: int,
-                 addresses: dict[int, str], fanout: int = 1) -> RouteInfo | None:
+                 addresses: dict[int, str], fanout: int = 1, count: int = 0) -> RouteInfo | None:
     """The route of a round's leader from ``source`` to the other ``members`` that have a data
     address; None when fewer than two of them do (the star then serves alone). Node 0, which
     runs beside the server, feeds the server when it is on the route (loopback); else the
-    source does."""
+    source does. ``count``: the model's elements, which size the chunks (``chunk_for``)."""
     from .route import plan
 
     on = [n for n in members if n in addresses]
@@ -120,11 +120,11 @@ def leader_route(round_id: int, members: list[int], source: int,
         return None
     route = plan(Kind.BROADCAST, on, source, fanout)
     return RouteInfo(round_id, route, {n: addresses[n] for n in on},
-                     feeds_server=0 if 0 in on else source, chunk=CHUNK)
+                     feeds_server=0 if 0 in on else source, chunk=chunk_for(count, route.depth()))
 
 
 def sum_route(round_id: int, sums: dict[int, tuple[int, float]],
-              addresses: dict[int, str]) -> RouteInfo | None:
+              addresses: dict[int, str], count: int = 0) -> RouteInfo | None:
     """The route of a round's sums: ``sums`` maps each node that reported to (participants,
     weight). A chain of the nodes with participants and a data address ends at node 0, which
     adds its own sum and uploads the total; None when node 0 is not among them or fewer than
@@ -136,7 +136,7 @@ def sum_route(round_id: int, sums: dict[int, tuple[int, float]],
         return None
     route = plan(Kind.REDUCE, on, 0, 1)
     return RouteInfo(round_id, route, {n: addresses[n] for n in on}, feeds_server=0,
-                     chunk=CHUNK, total_summands=sum(sums[n][0] for n in on),
+                     chunk=chunk_for(count, route.depth()), total_summands=sum(sums[n][0] for n in on),
                      total_weight=math.fsum(sums[n][1] or sums[n][0] for n in on))
 
 

@@ -9,16 +9,24 @@ One TCP connection carries one transfer. All integers are little-endian.
 3. receiver → sender ``REPLY`` + MAC: accept with the offset it already holds (a re-routed sender
    resumes there), or refuse with a reason (one line), and close;
 4. sender → receiver, until the vector is whole: ``CHUNK``: offset, element count, the raw
-   bytes, MAC;
+   bytes, MAC. Chunks run on from the accepted offset, each of the header's chunk size but
+   the last;
 5. receiver → sender ``DONE`` + MAC.
 
-With a job secret every message carries an HMAC-SHA256 under a key of this connection only
-(``HMAC(secret, "lsgd-data-v1" + nonce)``) over a direction byte, the message's sequence number
+With a job secret every message carries a MAC under keys of this connection only (derived from
+``HMAC(secret, "lsgd-data-v2" + nonce)``) over a direction byte, the message's sequence number
 in its direction and the message: nothing can be replayed from another connection, reordered or
-injected. Without a secret (a job on loopback only) the MACs are zeros and unchecked. Every
-field is bounded before anything is written: a refused header writes nothing, a chunk reaches
-the receiver's staging buffer only once its MAC, epoch and offset are checked, and the staging
-buffer is applied only once whole.
+injected. A chunk's raw bytes are authenticated by AES-GMAC (about 4x faster than HMAC-SHA256
+here, so that a secret costs little of the link's speed) under a nonce made of the direction
+and the sequence number, used once per key; that tag, the direction, the number and the chunk's
+offset and count are then bound by HMAC-SHA256 like every other message. Without a secret (a
+job on loopback only) the MACs are zeros and unchecked. Every field is bounded before anything
+is written: a refused header writes nothing, a chunk reaches the receiver's staging buffer only
+once its MAC, epoch and offset are checked, and the staging buffer is applied only once whole.
+
+Each message goes out in one ``sendmsg`` and a chunk comes in with one scatter receive
+(``recvmsg_into`` straight into its offset field, a buffer of this connection and its MAC):
+per-chunk costs are what keeps a data connection from a plain socket's speed on fast links.
 
 A sender that makes no progress for ``stall`` seconds (a receiver that hangs: its kernel buffers
 fill and stay full) gives up with ``Stalled``, so that its route can bypass that receiver.
@@ -30,6 +38,7 @@ import contextlib
 import hashlib
 import hmac
 import os
+import select
 import socket
 import struct
 import threading
@@ -38,10 +47,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .route import Reception, RouteError
 
-MAGIC, VERSION = b"LSGDDATA", 1
+MAGIC, VERSION = b"LSGDDATA", 2
 NONCE = 16
 MAC = 32
 ITEMSIZE = {0: 4, 1: 2}  # wire format code: float32, bfloat16
@@ -109,30 +119,40 @@ class _Channel:
                  stall: float | None = None) -> None:
         self.sock, self.secret, self.deadline, self.stall = sock, secret, deadline, stall
         self.key: bytes | None = None
+        self.gmac: AESGCM | None = None
         self.sent = self.received = 0
+        self._poller: select.poll | None = None
+        sock.setblocking(False)
 
     def keyed(self, nonce: bytes) -> None:
         if self.secret is not None:
-            self.key = hmac.new(self.secret, b"lsgd-data-v1" + nonce, hashlib.sha256).digest()
+            root = hmac.new(self.secret, b"lsgd-data-v2" + nonce, hashlib.sha256).digest()
+            self.key = hmac.new(root, b"messages", hashlib.sha256).digest()
+            self.gmac = AESGCM(hmac.new(root, b"chunks", hashlib.sha256).digest())
 
-    def _mac(self, direction: bytes, seq: int, parts: tuple) -> bytes:
+    def _mac(self, direction: bytes, seq: int, parts: tuple, bulk: memoryview | None) -> bytes:
         if self.key is None:
             return bytes(MAC)
-        h = hmac.new(self.key, direction + seq.to_bytes(8, "little"), hashlib.sha256)
+        number = seq.to_bytes(8, "little")
+        h = hmac.new(self.key, direction + number, hashlib.sha256)
         for p in parts:
             h.update(p)
+        if bulk is not None:  # AES-GMAC of the bulk bytes; the nonce is used once per key
+            h.update(self.gmac.encrypt(direction + number + b"\0\0\0", b"", bulk))
         return h.digest()
 
-    def send(self, direction: bytes, *parts: bytes | memoryview) -> None:
-        mac = self._mac(direction, self.sent, parts)
+    def send(self, direction: bytes, *parts: bytes | memoryview,
+             bulk: memoryview | None = None) -> None:
+        """One message: ``parts``, then ``bulk`` (a chunk's raw bytes), then its MAC."""
+        mac = self._mac(direction, self.sent, parts, bulk)
         self.sent += 1
-        for p in parts:
-            self._sendall(p)
-        self._sendall(mac)
+        self._sendall([*parts, *([bulk] if bulk is not None else []), mac])
 
-    def check(self, direction: bytes, *parts: bytes | memoryview) -> None:
-        mac = self.read(MAC)
-        want = self._mac(direction, self.received, parts)
+    def check(self, direction: bytes, *parts: bytes | memoryview, mac: bytes | None = None,
+              bulk: memoryview | None = None) -> None:
+        """The next message's MAC (read now, or ``mac`` read with the message) is right."""
+        mac = self.read(MAC) if mac is None else mac
+        want = self._mac(direction, self.received, parts, bulk)
         self.received += 1
         if not hmac.compare_digest(mac, want):
             raise TransferError("a message's MAC does not match: forged, replayed or corrupted")
@@ -148,33 +168,62 @@ class _Channel:
             return Stalled(f"the peer made no progress for {self.stall:g} s ({doing})")
         return TransferError(f"the transfer's deadline passed ({doing})")
 
-    def _sendall(self, data: bytes | memoryview) -> None:
-        self.sock.settimeout(self._left())
-        try:
-            self.sock.sendall(data)
-        except TimeoutError:
-            raise self._timed_out("sending") from None
-        except OSError as exc:
-            raise TransferError(f"send failed: {exc}") from None
+    def _wait(self, event: int, doing: str) -> None:
+        """Wait until the socket can go on (``event``), at most until the deadline or for the
+        stall time. The socket is non-blocking: a call is tried first, and only one that would
+        block waits here, so a chunk that is there takes one system call, not a ``poll`` and
+        a call as a Python socket time-out makes."""
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.sock, event)
+        else:
+            self._poller.modify(self.sock, event)
+        if not self._poller.poll(self._left() * 1000):
+            raise self._timed_out(doing)
+
+    def _sendall(self, parts: list) -> None:
+        """All of ``parts``, in as few ``sendmsg`` calls as the socket takes them."""
+        self._left()  # the deadline holds while data flows too
+        views = [memoryview(p).cast("B") for p in parts]
+        while views:
+            try:
+                n = self.sock.sendmsg(views)
+            except BlockingIOError:
+                self._wait(select.POLLOUT, "sending")
+                continue
+            except OSError as exc:
+                raise TransferError(f"send failed: {exc}") from None
+            views = _advance(views, n)
 
     def read(self, n: int) -> bytes:
         buf = bytearray(n)
         self.read_into(memoryview(buf))
         return bytes(buf)
 
-    def read_into(self, view: memoryview) -> None:
-        got = 0
-        while got < len(view):
-            self.sock.settimeout(self._left())
+    def read_into(self, *views: memoryview) -> None:
+        """Fill ``views`` in order, with as few receives as the data's arrival allows."""
+        self._left()
+        left = [v for v in views if len(v)]
+        while left:
             try:
-                n = self.sock.recv_into(view[got:])
-            except TimeoutError:
-                raise self._timed_out("receiving") from None
+                n = self.sock.recvmsg_into(left)[0]
+            except BlockingIOError:
+                self._wait(select.POLLIN, "receiving")
+                continue
             except OSError as exc:
                 raise TransferError(f"receive failed: {exc}") from None
             if n == 0:
                 raise TransferError("the peer closed the connection")
-            got += n
+            left = _advance(left, n)
+
+
+def _advance(views: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of ``views`` once their first ``n`` bytes have gone."""
+    for i, v in enumerate(views):
+        if n < len(v):
+            return [v[n:], *views[i + 1:]]
+        n -= len(v)
+    return []
 
 
 TO_RECEIVER, TO_SENDER = b">", b"<"
@@ -205,7 +254,9 @@ def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: b
         raise Unanswered(f"node {header.receiver} did not answer: {exc}") from None
     magic, version, nonce = _HELLO.unpack(hello)
     if magic != MAGIC or version != VERSION:
-        raise TransferError("the peer does not speak lsgd's data protocol (version 1)")
+        raise TransferError(f"the peer does not speak lsgd's data protocol version {VERSION} "
+                            f"(it says {magic!r}, version {version}): run one lsgd version on "
+                            "every node")
     ch.keyed(nonce)
     ch.send(TO_RECEIVER, header.pack())
     status, offset, length = _REPLY.unpack(ch.read(_REPLY.size))
@@ -223,8 +274,8 @@ def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: b
         end = min(offset + header.chunk, header.count)
         if chunk_ready is not None:
             end = min(end, chunk_ready(end))
-        n = end - offset
-        ch.send(TO_RECEIVER, _CHUNK.pack(offset, n), data[offset * item:end * item])
+        ch.send(TO_RECEIVER, _CHUNK.pack(offset, end - offset),
+                bulk=data[offset * item:end * item])
         offset = end
     (status,) = _DONE.unpack(ch.read(_DONE.size))
     ch.check(TO_SENDER, _DONE.pack(status))
@@ -252,7 +303,7 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
     ch = _Channel(sock, secret, time.monotonic() + min(timeout, AUTH_WAIT))
     nonce = os.urandom(NONCE)
     ch.keyed(nonce)
-    ch._sendall(_HELLO.pack(MAGIC, VERSION, nonce))
+    ch._sendall([_HELLO.pack(MAGIC, VERSION, nonce)])
     raw = ch.read(_HEADER.size)  # a peer that does not authenticate at once is dropped
     ch.check(TO_RECEIVER, raw)
     ch.deadline = time.monotonic() + timeout
@@ -281,18 +332,23 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
     if adding and header.wire != 0:
         raise TransferError("a reduce is float32")
     bounce = memoryview(bytearray(min(header.chunk, header.count) * item))
+    raw, mac = memoryview(bytearray(_CHUNK.size)), memoryview(bytearray(MAC))
+    mine = offset  # where this sender's next chunk starts: its chunks run on from there
     while True:
         with guard:
             if reception.complete:
                 break
-        raw = ch.read(_CHUNK.size)
+        if mine >= header.count:
+            raise TransferError(f"node {header.sender} sent the whole vector, and the "
+                                "reception is still not complete")
+        expect = min(header.chunk, header.count - mine)
+        view = bounce[:expect * item]
+        ch.read_into(raw, view, mac)
         at, n = _CHUNK.unpack(raw)
-        if not 1 <= n <= header.chunk or at + n > header.count:
-            raise TransferError(f"a chunk of {n} elements at {at}; expected one of at most "
-                                f"{header.chunk} within {header.count}")
-        view = bounce[:n * item]
-        ch.read_into(view)
-        ch.check(TO_RECEIVER, raw, view)
+        if (at, n) != (mine, expect):
+            raise TransferError(f"a chunk of {n} elements at {at}; expected {expect} at {mine}")
+        ch.check(TO_RECEIVER, raw, mac=bytes(mac), bulk=view)
+        mine += n
         with guard:
             try:
                 reception.accept(header.epoch, at, n)
