@@ -5,7 +5,7 @@ What is measured, all in one run:
 
 * **baseline**: a plain TCP socket on 127.0.0.1 between two processes: ``sendall`` of a
   page-aligned 100 MB buffer, ``recv_into`` a preallocated page-aligned buffer, 1-byte ack;
-  half of its repetitions before the gRPC rounds, half after.
+  repeated before the gRPC rounds, after them, and between the data connection's batches.
 * **push / pull**: the real global server (``lsgd.global_server.server.process_main``) in a
   subprocess; this process acts as node 0 with ``GlobalClient``: it joins with 25M parameters,
   takes a credit until a global round opens, reports itself as the round's leader, then times
@@ -18,6 +18,8 @@ What is measured, all in one run:
   transfer (after a warm-up round, so fixed buffers are already touched) is subtracted.
 * **bfloat16 wire** (when ``ml_dtypes`` is installed): same rounds with ``wire="bfloat16"``;
   the speed-up over float32 and the largest absolute error of the round trip.
+* **PLANE=chain's data connection** node to node (``lsgd/plane/node.py``), without and with a
+  job secret, in batches of 3 transfers interleaved with the baseline's.
 
 Standalone: ``PYTHONPATH=. python -m bench.params [--quick]``.
 """
@@ -384,7 +386,8 @@ def measure(quick: bool) -> dict[str, Any]:
     from lsgd.local_server.store import NodeStore, StoreLayout
 
     rounds = 5 if quick else 11
-    tcp_reps = 6 if quick else 12
+    batches = 2 if quick else 4  # of 3 data-connection transfers each way, between TCP sends
+    tcp_reps = 4 + 2 * batches
     out: dict[str, Any] = {"rounds": rounds}
     run_dir = tempfile.mkdtemp(prefix="lsgd-bench-params-")
     layout = StoreLayout.new("bench", 0, N, slots=1, buffers=("global_leader",))
@@ -393,7 +396,7 @@ def measure(quick: bool) -> dict[str, Any]:
     clients: list[Any] = []
     try:
         tcp = TcpBaseline(tcp_reps)
-        for _ in range(tcp_reps // 2):  # half before the gRPC rounds, half after
+        for _ in range(2):  # before the gRPC rounds, after them, and between the others
             tcp.send()
         src, dst = store.slot(0), store.buffer("global_leader")
         rng = np.random.default_rng(0)
@@ -419,9 +422,15 @@ def measure(quick: bool) -> dict[str, Any]:
         if bf16_available():
             out["bfloat16"] = grpc_rounds(node, src, dst, rounds, "bfloat16")
             out["bfloat16"]["memory"] = memory_round(node, src, dst, proc.pid, "bfloat16")
-        out["plane_s"] = data_connection_rounds(src, rounds, None)
-        out["plane_mac_s"] = data_connection_rounds(src, rounds, "bench secret of 32 characters!!")
-        for _ in range(tcp_reps - tcp_reps // 2):
+        for _ in range(2):
+            tcp.send()
+        # the data connection's rounds interleaved with the baseline's (loopback speed drifts
+        # with the host's other load: a block measured apart from its baseline misleads)
+        out["plane_s"], out["plane_mac_s"] = [], []
+        for _ in range(batches):
+            out["plane_s"] += data_connection_rounds(src, 3, None)
+            tcp.send()
+            out["plane_mac_s"] += data_connection_rounds(src, 3, "bench secret of 32 characters!!")
             tcp.send()
         out["tcp_s"] = tcp.times
     finally:
