@@ -12,10 +12,9 @@ def _child_ignores_ctrl_c() -> None:
     """In a process lsgd starts (the global server, a worker), imported while multiprocessing
     still sets the process up (unpickling its target imports lsgd first): ignore SIGINT from
     here on. Ctrl-C reaches the node's whole process group; the node decides how its children
-    stop. Such a child normally ignores SIGINT from its first instruction already (it starts
-    through the launcher of ``local_server.procs.ignore_sigint_in_children``); this covers a
-    node that could not write the launcher. (Both kinds of child ignore SIGINT anyway once
-    they run.)"""
+    stop. The child started with SIGINT blocked (``local_server.procs.children_ignore_sigint``),
+    so a Ctrl-C that came during its start-up is pending: ignoring it drops it, and only then is
+    it unblocked. (Both kinds of child ignore SIGINT anyway once they run.)"""
     import sys
 
     mp = sys.modules.get("multiprocessing")  # a spawned child has it already; nobody else
@@ -23,6 +22,7 @@ def _child_ignores_ctrl_c() -> None:
         import signal
 
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 _child_ignores_ctrl_c()

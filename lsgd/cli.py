@@ -154,7 +154,7 @@ def _start_global(config: JobConfig, level: int, security: Security,
                   restore: bool = False) -> tuple[mp.process.BaseProcess, object]:
     """Start the global server process; returns it and the pipe it reports readiness on."""
     from .global_server.server import process_main
-    from .local_server.procs import ignore_sigint_in_children
+    from .local_server.procs import children_ignore_sigint
 
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=False)
@@ -162,8 +162,8 @@ def _start_global(config: JobConfig, level: int, security: Security,
     proc = ctx.Process(target=process_main, args=(config, child, level, security, restore),
                        name="lsgd-global",
                        daemon=True)
-    ignore_sigint_in_children()  # node 0 decides how its server stops
-    proc.start()
+    with children_ignore_sigint():  # node 0 decides how its server stops
+        proc.start()
     child.close()
     return proc, parent
 

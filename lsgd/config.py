@@ -250,6 +250,13 @@ class JobConfig:
             rounds = True
         need(rounds, f"PLANE=chain carries a round's leader or sums from node to node; "
              f"algorithm '{self.algorithm}' has no rounds: set PLANE=star")
+        if self.node_index == 0 and self.data_port:  # node 0 hosts the global server's ports
+            theirs = {"PORT": self.port, "STATUS_PORT": self.status_address,
+                      "SESSION_PORT": self.session_address}
+            clash = [name for name, port in theirs.items() if port == self.data_port]
+            need(not clash, f"DATA_PORT {self.data_port} is also node 0's {clash[0] if clash else ''} "
+                 "(the global server's); give the data listener its own port, or DATA_PORT=0 "
+                 "for any free one")
         if self.data_host is not None:
             import ipaddress
 

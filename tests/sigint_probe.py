@@ -1,5 +1,5 @@
-"""A spawned child's report on its SIGINT handling (tests/test_sigint_children.py). It imports
-nothing of lsgd, so what it sees comes from how it was started."""
+"""Spawned children's reports on their SIGINT handling (tests/test_sigint_children.py); this
+module imports nothing of lsgd, ``sigint_child.py`` does."""
 
 from __future__ import annotations
 
@@ -7,12 +7,17 @@ import signal
 import sys
 
 
-def sigint_ignored() -> bool:
-    """Whether the kernel ignores SIGINT for this process (``SigIgn`` in /proc/self/status)."""
+def sigint_state() -> dict[str, bool]:
+    """Whether the kernel holds SIGINT blocked or ignored for this thread (/proc/self/status)."""
+    masks = {}
     with open("/proc/self/status") as f:
-        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
-    return bool(mask >> (signal.SIGINT - 1) & 1)
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("SigBlk", "SigIgn"):
+                masks[key] = bool(int(value, 16) >> (signal.SIGINT - 1) & 1)
+    return {"blocked": masks["SigBlk"], "ignored": masks["SigIgn"]}
 
 
 def report(queue) -> None:
-    queue.put({"ignored": sigint_ignored(), "lsgd_imported": "lsgd" in sys.modules})
+    """This module imports nothing of lsgd: how the child was started."""
+    queue.put(sigint_state() | {"lsgd_imported": "lsgd" in sys.modules})

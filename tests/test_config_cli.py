@@ -43,6 +43,10 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("PORT", "50051"), ("STATUS_PORT", "50053")),
      "STATUS_PORT 50053 is PORT+2, the default SESSION_PORT"),
     ((("SESSION_PORT", "50051"),), "session_port 50051 is also PORT or STATUS_PORT"),
+    ((("PLANE", "chain"), ("PORT", "50051"), ("DATA_PORT", "50053")),
+     "DATA_PORT 50053 is also node 0's SESSION_PORT (the global server's)"),
+    ((("PLANE", "chain"), ("PORT", "50051"), ("DATA_PORT", "50051")),
+     "DATA_PORT 50051 is also node 0's PORT (the global server's)"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

@@ -22,6 +22,15 @@ def header(count: int, chunk: int = 7, **kw) -> Header:
     return Header(**(base | kw))
 
 
+def sender_handshake(ch, h: Header) -> None:
+    """A hand-made sender's side of the handshake, up to the receiver's acceptance."""
+    _, _, nonce = wire._HELLO.unpack(ch.read(wire._HELLO.size))
+    mine = bytes(range(wire.NONCE))
+    ch.keyed(nonce + mine)
+    ch.send(wire.TO_RECEIVER, h.pack(), mine)
+    ch.read(wire._REPLY.size + wire.MAC)
+
+
 def run_pair(send, receive):
     """Run ``send(sock)`` in a thread and ``receive(sock)`` here; (send's error, receive's
     result or error)."""
@@ -119,10 +128,7 @@ def test_a_chunk_out_of_place_from_a_node_with_the_secret_is_refused():
 
     def rogue(s):
         ch = wire._Channel(s, SECRET, deadline=wire.time.monotonic() + 5)
-        _, _, nonce = wire._HELLO.unpack(ch.read(wire._HELLO.size))
-        ch.keyed(nonce)
-        ch.send(wire.TO_RECEIVER, header(10).pack())
-        ch.read(wire._REPLY.size + wire.MAC)
+        sender_handshake(ch, header(10))
         ch.send(wire.TO_RECEIVER, wire._CHUNK.pack(3, 7), bulk=memoryview(b"\xff" * 28))
 
     err, got = run_pair(rogue, lambda s: receive_vector(s, as_bytes(out), rx, SECRET, 5,
@@ -140,10 +146,7 @@ def test_a_chunk_of_another_size_than_the_headers_is_refused(secret):
 
     def short(s):
         ch = wire._Channel(s, secret, deadline=wire.time.monotonic() + 5)
-        _, _, nonce = wire._HELLO.unpack(ch.read(wire._HELLO.size))
-        ch.keyed(nonce)
-        ch.send(wire.TO_RECEIVER, header(10).pack())
-        ch.read(wire._REPLY.size + wire.MAC)
+        sender_handshake(ch, header(10))
         for at in (0, 2, 4, 6, 8):  # chunks of 2 where the header says 7
             ch.send(wire.TO_RECEIVER, wire._CHUNK.pack(at, 2), bulk=memoryview(b"\xff" * 8))
 
@@ -216,10 +219,7 @@ def test_a_chunk_altered_on_the_way_is_refused_and_writes_nothing():
 
     def tampered(s):
         ch = wire._Channel(s, SECRET, deadline=wire.time.monotonic() + 5)
-        _, _, nonce = wire._HELLO.unpack(ch.read(wire._HELLO.size))
-        ch.keyed(nonce)
-        ch.send(wire.TO_RECEIVER, header(10).pack())
-        ch.read(wire._REPLY.size + wire.MAC)
+        sender_handshake(ch, header(10))
         good = bytes(range(28))
         bad = bytes([good[0] ^ 1]) + good[1:]
         raw = wire._CHUNK.pack(0, 7)
@@ -230,3 +230,54 @@ def test_a_chunk_altered_on_the_way_is_refused_and_writes_nothing():
                                                            admit=lambda h: None))
     assert isinstance(got, TransferError) and "MAC does not match" in str(got)
     assert rx.offset == 0 and not out.any()
+
+
+def test_a_receivers_old_answers_replayed_to_a_sender_do_not_pass():
+    """The keys are derived from both sides' nonces: a man in the middle who replays a
+    receiver's hello, acceptance and DONE from an earlier connection (the sender would report a
+    transfer that never happened) fails the sender's MAC check."""
+    hello_nonce, earlier_sender_nonce = b"n" * wire.NONCE, b"e" * wire.NONCE
+    old = wire._Channel(socket.socket(), SECRET, deadline=wire.time.monotonic() + 5)
+    old.keyed(hello_nonce + earlier_sender_nonce)  # the recorded connection's keys
+    reply = wire._REPLY.pack(0, 0, 0)
+    recorded = [wire._HELLO.pack(wire.MAGIC, wire.VERSION, hello_nonce),
+                reply, old._mac(wire.TO_SENDER, 0, (reply, b""), None)]
+
+    def replayer(s):
+        s.sendall(recorded[0])
+        s.recv(1 << 16)  # the new header, nonce and MAC
+        s.sendall(recorded[1] + recorded[2])
+
+    data = as_bytes(np.ones(10, np.float32))
+    err, got = run_pair(lambda s: send_vector(s, header(10), data, SECRET, 5), replayer)
+    assert isinstance(err, TransferError) and "MAC does not match" in str(err)
+
+
+def test_a_receiver_that_takes_a_chunk_only_a_trickle_at_a_time_is_a_stall():
+    """A sender's stall time bounds each whole message, as Python's sendall time-out did: a
+    receiver that reads a few bytes now and then never leaves the sender without progress for
+    the stall time, yet holds up the route as a hung one does."""
+    count, chunk = 1 << 22, 1 << 20  # 16 MiB in 4 MiB chunks, taken at about 1.6 MB/s
+
+    def trickle(s):
+        s.sendall(wire._HELLO.pack(wire.MAGIC, wire.VERSION, bytes(wire.NONCE)))
+        need = wire._HEADER.size + wire.NONCE + wire.MAC
+        got = b""
+        while len(got) < need:
+            got += s.recv(need - len(got))
+        s.sendall(wire._REPLY.pack(0, 0, 0) + bytes(wire.MAC))
+        end = wire.time.monotonic() + 5
+        while wire.time.monotonic() < end:
+            try:
+                if not s.recv(32768):
+                    return
+            except OSError:
+                return
+            wire.time.sleep(0.02)
+
+    data = as_bytes(np.ones(count, np.float32))
+    t0 = wire.time.monotonic()
+    err, _ = run_pair(lambda s: send_vector(s, header(count, chunk), data, None, 10, stall=0.5),
+                      trickle)
+    assert isinstance(err, wire.Stalled), err
+    assert wire.time.monotonic() - t0 < 4

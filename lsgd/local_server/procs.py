@@ -24,6 +24,7 @@ the user's code puts in a group or session of its own (``start_new_session=True`
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import multiprocessing as mp
 import multiprocessing.process
@@ -32,7 +33,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 log = logging.getLogger("lsgd.local_server.server")
 
@@ -41,66 +42,41 @@ WATCH = 0.25  # seconds between a worker's checks that its local server is alive
 _started: list[mp.process.BaseProcess] = []  # every worker process this node started
 
 
-_LAUNCHER = """#!/bin/sh
-# Written by lsgd (lsgd/local_server/procs.py) and removed when the node exits: starts a process
-# of the node (the global server, a worker) with SIGINT ignored from its first instruction.
-trap '' INT
-exec {python} "$@"
-"""
-_launcher_lock = threading.Lock()
-_launcher: list[str] = []  # the launcher's path once written ("" where none can be used)
+@contextlib.contextmanager
+def children_ignore_sigint() -> Iterator[None]:
+    """Start child processes (the global server, workers) with a Ctrl-C held until they ignore
+    it. Ctrl-C reaches the node's whole process group; the node decides how its children stop,
+    and one arriving while a child was still starting (Python's own imports) ended that child,
+    with a ``KeyboardInterrupt`` traceback.
 
-
-def ignore_sigint_in_children() -> None:
-    """From now on, the processes this node spawns start with SIGINT ignored.
-
-    Ctrl-C reaches the node's whole process group, and one arriving while a child was still
-    starting (Python's own imports, before it could ignore it) ended that child with a
-    ``KeyboardInterrupt`` traceback; the node decides how its children stop. An ignored signal
-    stays ignored across exec, so ``multiprocessing`` starts them through a two-line ``/bin/sh``
-    launcher that ignores SIGINT, then execs Python. This process's own handling of SIGINT is
-    never touched: setting it to ignored around each start lost a Ctrl-C that came meanwhile
-    (any other thread took it and dropped it), and the node then trained on.
-
-    Where the temporary directory is mounted ``noexec`` (or there is no ``/bin/sh``), children
-    start as before and ignore SIGINT from their first import of lsgd (``lsgd/__init__.py``).
+    SIGINT is blocked in the calling thread only, while it starts them. A child inherits the
+    mask across fork and exec, so a Ctrl-C stays pending in it through Python's start-up until
+    ``lsgd/__init__.py`` sets SIGINT to ignored (which drops it) and unblocks it. This process's
+    own handling is never touched: a Ctrl-C that comes meanwhile is taken by another of its
+    threads, or by this one once its mask is back. (Setting SIGINT to ignored around each start
+    instead lost a Ctrl-C that another thread took then, and the node trained on.)
+    ``multiprocessing``'s resource tracker is started first: its own start unblocks SIGINT in
+    the calling thread instead of restoring the mask.
     """
-    import multiprocessing.spawn as spawn
+    from multiprocessing import resource_tracker
 
-    with _launcher_lock:
-        if not _launcher:
-            _launcher.append(_write_launcher(spawn.get_executable()))
-        if _launcher[0] and os.fsdecode(spawn.get_executable()) != _launcher[0]:
-            spawn.set_executable(_launcher[0])
-
-
-def _write_launcher(python: str) -> str:
-    import shlex
-    import shutil
-    import tempfile
-
-    if not os.path.exists("/bin/sh"):
-        return ""
+    resource_tracker.ensure_running()
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
-        folder = tempfile.mkdtemp(prefix="lsgd-launch-")
-    except OSError:
-        return ""
-    atexit.register(shutil.rmtree, folder, True)
-    if os.statvfs(folder).f_flag & os.ST_NOEXEC:
-        return ""
-    path = os.path.join(folder, "python")
-    with open(path, "w") as f:
-        f.write(_LAUNCHER.format(python=shlex.quote(os.fsdecode(python))))
-    os.chmod(path, 0o700)
-    return path
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def start_process(ctx: Any, target: Callable, args: tuple, name: str) -> mp.process.BaseProcess:
     """Start a worker process (non-daemonic; see the module doc)."""
     proc = ctx.Process(target=target, args=args, name=name, daemon=False)
-    ignore_sigint_in_children()
-    proc.start()
-    _started[:] = [p for p in _started if p.exitcode is None] + [proc]
+    try:
+        with children_ignore_sigint():
+            proc.start()
+    finally:  # a Ctrl-C may end start() once the child runs: it is still ours to stop
+        if getattr(proc, "_popen", None) is not None:
+            _started[:] = [p for p in _started if p.exitcode is None] + [proc]
     return proc
 
 

@@ -4,8 +4,8 @@ docs/design-scale.md; ``node.py`` runs it).
 One TCP connection carries one transfer. All integers are little-endian.
 
 1. receiver → sender ``HELLO``: ``b"LSGDDATA"``, version, a fresh 16-byte nonce;
-2. sender → receiver ``HEADER`` (fixed size) + MAC: job, round, route epoch, kind, wire format,
-   sender, receiver, element count, chunk size;
+2. sender → receiver ``HEADER`` (fixed size), the sender's own 16-byte nonce, MAC: job, round,
+   route epoch, kind, wire format, sender, receiver, element count, chunk size;
 3. receiver → sender ``REPLY`` + MAC: accept with the offset it already holds (a re-routed sender
    resumes there), or refuse with a reason (one line), and close;
 4. sender → receiver, until the vector is whole: ``CHUNK``: offset, element count, the raw
@@ -14,7 +14,8 @@ One TCP connection carries one transfer. All integers are little-endian.
 5. receiver → sender ``DONE`` + MAC.
 
 With a job secret every message carries a MAC under keys of this connection only (derived from
-``HMAC(secret, "lsgd-data-v2" + nonce)``) over a direction byte, the message's sequence number
+``HMAC(secret, "lsgd-data-v2" + receiver's nonce + sender's nonce)``: neither side can be
+answered with another connection's messages) over a direction byte, the message's sequence number
 in its direction and the message: nothing can be replayed from another connection, reordered or
 injected. A chunk's raw bytes are authenticated by AES-GMAC (about 4x faster than HMAC-SHA256
 here, so that a secret costs little of the link's speed) under a nonce made of the direction
@@ -88,7 +89,7 @@ class Header:
     sender: int
     receiver: int
     count: int  # elements
-    chunk: int  # elements per chunk at most
+    chunk: int  # elements per chunk (every chunk but the last has this many)
 
     def pack(self) -> bytes:
         job = self.job.encode()
@@ -168,28 +169,34 @@ class _Channel:
             return Stalled(f"the peer made no progress for {self.stall:g} s ({doing})")
         return TransferError(f"the transfer's deadline passed ({doing})")
 
-    def _wait(self, event: int, doing: str) -> None:
-        """Wait until the socket can go on (``event``), at most until the deadline or for the
-        stall time. The socket is non-blocking: a call is tried first, and only one that would
-        block waits here, so a chunk that is there takes one system call, not a ``poll`` and
-        a call as a Python socket time-out makes."""
+    def _wait(self, event: int, doing: str, until: float | None = None) -> None:
+        """Wait until the socket can go on (``event``), at most until the deadline, for the
+        stall time, and until ``until``. The socket is non-blocking: a call is tried first, and
+        only one that would block waits here, so a chunk that is there takes one system call,
+        not a ``poll`` and a call as a Python socket time-out makes."""
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self.sock, event)
         else:
             self._poller.modify(self.sock, event)
-        if not self._poller.poll(self._left() * 1000):
+        wait = self._left()
+        if until is not None:
+            wait = min(wait, until - time.monotonic())
+        if wait <= 0 or not self._poller.poll(wait * 1000):
             raise self._timed_out(doing)
 
     def _sendall(self, parts: list) -> None:
-        """All of ``parts``, in as few ``sendmsg`` calls as the socket takes them."""
+        """All of ``parts``, in as few ``sendmsg`` calls as the socket takes them. With a stall
+        time, the whole message must be taken within it (a receiver that takes a chunk's bytes
+        only a trickle at a time holds up the route as a hung one does)."""
         self._left()  # the deadline holds while data flows too
+        until = None if self.stall is None else time.monotonic() + self.stall
         views = [memoryview(p).cast("B") for p in parts]
         while views:
             try:
                 n = self.sock.sendmsg(views)
             except BlockingIOError:
-                self._wait(select.POLLOUT, "sending")
+                self._wait(select.POLLOUT, "sending", until)
                 continue
             except OSError as exc:
                 raise TransferError(f"send failed: {exc}") from None
@@ -257,8 +264,9 @@ def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: b
         raise TransferError(f"the peer does not speak lsgd's data protocol version {VERSION} "
                             f"(it says {magic!r}, version {version}): run one lsgd version on "
                             "every node")
-    ch.keyed(nonce)
-    ch.send(TO_RECEIVER, header.pack())
+    mine = os.urandom(NONCE)  # the keys are this connection's on both sides' word
+    ch.keyed(nonce + mine)
+    ch.send(TO_RECEIVER, header.pack(), mine)
     status, offset, length = _REPLY.unpack(ch.read(_REPLY.size))
     if length > MAX_REASON:
         raise TransferError(f"node {header.receiver} sent a reason of {length} bytes")
@@ -272,8 +280,8 @@ def send_vector(sock: socket.socket, header: Header, data: memoryview, secret: b
     ch.stall = stall
     while offset < header.count:
         end = min(offset + header.chunk, header.count)
-        if chunk_ready is not None:
-            end = min(end, chunk_ready(end))
+        if chunk_ready is not None and chunk_ready(end) < end:
+            raise TransferError(f"elements up to {end} are not there to send")
         ch.send(TO_RECEIVER, _CHUNK.pack(offset, end - offset),
                 bulk=data[offset * item:end * item])
         offset = end
@@ -302,10 +310,11 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
     """
     ch = _Channel(sock, secret, time.monotonic() + min(timeout, AUTH_WAIT))
     nonce = os.urandom(NONCE)
-    ch.keyed(nonce)
     ch._sendall([_HELLO.pack(MAGIC, VERSION, nonce)])
     raw = ch.read(_HEADER.size)  # a peer that does not authenticate at once is dropped
-    ch.check(TO_RECEIVER, raw)
+    theirs = ch.read(NONCE)
+    ch.keyed(nonce + theirs)
+    ch.check(TO_RECEIVER, raw, theirs)
     ch.deadline = time.monotonic() + timeout
     header = Header.unpack(raw)
     item = ITEMSIZE[header.wire]
