@@ -14,16 +14,24 @@ A mixin of ``LocalServer`` (``server.py``).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import signal
+import time
 
 import grpc
 
 from .. import exitcodes
+from ..files import write_atomic
 from ..rules.base import Exchange
+from . import messages as m
 from .global_client import GlobalUnreachable, stop_reason_of
+from .procs import stop_process
+from .round_runner import STOP_GRACE
 from .state import JoinedTooLate, JoinRefused, NodeError, Report
 from .store import SharedMemoryTooSmall
+from .summary import budget_reason, where_to_look
 
 log = logging.getLogger("lsgd.local_server.server")
 
@@ -36,7 +44,69 @@ class JobStopped(NodeError):
 
 
 class EndingMixin:
-    """Exit code, stop reason and job stop (methods of ``LocalServer``)."""
+    """Exit code, stop reason, job stop and the shutdown (methods of ``LocalServer``)."""
+
+    def _shutdown(self, code: int = exitcodes.FAILED, reason: str = "") -> None:
+        self.closing = True
+        self.progress.close()  # the live line is erased before the last lines
+        self._announce_stop(code, reason)  # node 0 ending early: first tell the other nodes
+        self.liveness.close()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        procs = [w for w in self.workers] + ([self.evaluator] if self.evaluator else [])
+        for w in procs:
+            if w.proc.is_alive():
+                self._send(w, m.Stop("node shutting down"))
+        self._stop_plane()
+        if self.async_node is not None:  # its thread uses the segment: stop it first
+            self.async_node.stop()
+            stats = self.async_node.stats()
+            if "weights" in stats:  # gossip: by worker id
+                stats["weights"] = {self.cfg.worker_id(i): w for i, w in stats["weights"].items()}
+            self.summary["async"] = stats
+        # Each worker gets STOP_GRACE from its first Stop to exit (it may still be tearing down
+        # its interpreter after its last message), and at least a moment from now.
+        now = time.monotonic()
+        since = self.stop_sent_at if self.stop_sent_at is not None else now
+        end = max(now + 0.5, since + STOP_GRACE)
+        for w in procs:
+            w.proc.join(max(0.0, end - time.monotonic()))
+        for w in procs:
+            if w.proc.is_alive():
+                log.warning("%s did not stop in %.1f s; terminating", w.proc.name,
+                            time.monotonic() - since)
+            stop_process(w.proc, 2.0)  # and what it started
+        for q in [self.inbox] + [w.replies for w in procs]:
+            q.cancel_join_thread()
+            q.close()
+        if self.store is not None:
+            self.store.close(unlink=True)
+            self.store = None
+        self.metrics.close()
+        if self.board is not None:
+            self.board.close()
+        self._leave_at_end(code)  # after the workers' teardown: their last steps are counted
+        self.client.close()
+        self.summary.setdefault("node", self.cfg.node_index)
+        self.summary["stop_reason"] = reason or "unknown"
+        self.summary["exit_code"] = code
+        self.summary["workers"] = {w.worker_id: w.iterations for w in self.workers}
+        self.summary["pids"] = [os.getpid()] + [w.proc.pid for w in procs]
+        if self.evaluator is not None:
+            self.summary["evaluator"] = {"evaluations": self.evaluator.done,
+                                         "skipped": self.evaluator.skipped,
+                                         "exit_code": self.evaluator.proc.exitcode}
+        self.summary["resets"] = self.resets
+        self.summary["repeated_warnings"] = self.repeats.flush()
+        self.summary["respawns"] = {w.worker_id: w.respawns for w in self.workers if w.respawns}
+        self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
+        self.summary["shm"] = self.layout_name
+        self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
+        started = time.time() - (time.monotonic() - self.t0)
+        self.summary.update(self.view.final(), files=where_to_look(self.cfg, since=started))
+        if code in (exitcodes.OK, exitcodes.DEGRADED):
+            self.summary["job_stop_reason"] = budget_reason(self.cfg, self.summary.get("counter"))
+        write_atomic(self.dir / "summary.json", json.dumps(self.summary, indent=2))
 
     # ------------------------------------------------------------------ while running
     def _check_stopped(self) -> None:

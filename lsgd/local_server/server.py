@@ -17,13 +17,10 @@ model but never trains. At an evaluation round it copies the leader, average and
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import multiprocessing as mp
-import os
 import queue
-import socket
 import time
 from collections import deque
 from pathlib import Path
@@ -33,48 +30,40 @@ import grpc
 
 from .. import exitcodes
 from ..config import JobConfig
-from ..files import private_dir, write_atomic
+from ..files import private_dir
 from ..lograte import RepeatedLog
-from ..rules import ops
-from ..rules.base import CENTER, Exchange
 from ..security import Security
-from ..worker.client import WorkerContext
-from ..worker.process import worker_main
-from . import gpus
 from . import messages as m
 from . import tensorboard
-from .async_node import AsyncNode, buffer_names
+from .async_node import AsyncNode
 from .async_rounds import AsyncMixin
 from .chain import ChainMixin
 from .ending import EndingMixin
 from .evaluation import EvaluationMixin, Evaluator
-from ..global_server.membership import FINISHING
-from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable, stop_reason_of
+from .global_client import CreditAnswer, GlobalClient, GlobalUnreachable
 from .heartbeat import Heartbeat
 from .inbox import Inbox
-from .liveness import LoopBeat, stale_after
+from .liveness import LoopBeat
 from .metrics import MetricsWriter
-from .procs import end_group, start_process, stop_process
+from .procs import end_group
 from .progress import Progress
 from .recovery import RecoveryMixin
-from .round_runner import RECOVERABLE, SAVE_LIMIT, STOP_GRACE, RoundMixin
-from .state import JoinedTooLate, JoinRefused, NodeError, Report, WorkerState
-from .store import (NodeStore, StoreLayout, reclaim_semaphores, reclaim_stale,
-                    remember_semaphores)
-from .summary import budget_reason, where_to_look
+from .round_runner import RECOVERABLE, RoundMixin
+from .startup import StartupMixin
+from .state import NodeError, Report, WorkerState
+from .store import NodeStore
 from .view import NodeView
 
 log = logging.getLogger(__name__)
 
 POLL = 0.05  # seconds between liveness checks while waiting for messages
 VIEW_EVERY = 0.25  # seconds between updates of the view with the workers' step counts
-START_TIMEOUT = 300.0  # seconds for workers to build their models and say hello
 IDLE_POLL = 0.5  # seconds between report-only credit calls while no worker is waiting
 WANT = 1 << 20  # credits asked for at once; the global server grants half a fair share
 
 
-class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryMixin,
-                  EndingMixin):
+class LocalServer(StartupMixin, RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin,
+                  RecoveryMixin, EndingMixin):
     """Runs one node of a job. ``run()`` returns the process exit code."""
 
     def __init__(self, config: JobConfig, address: str, log_level: int = logging.INFO,
@@ -172,126 +161,6 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
             self.summary["error"] = reason
         self._shutdown(code, reason)
         return code
-
-    def _wait_for_global(self) -> None:
-        self.view.wait(f"waiting for the global server at {self.address}", "CONNECT_TIMEOUT",
-                       self.cfg.connect_timeout)
-        end = time.monotonic() + self.cfg.connect_timeout
-        self._wait_for_name(end)
-        try:
-            grpc.channel_ready_future(self.client._channel).result(
-                timeout=max(0.1, end - time.monotonic()))
-        except grpc.FutureTimeoutError:
-            raise GlobalUnreachable(
-                f"global server at {self.address} unreachable for {self.cfg.connect_timeout:g} s "
-                "(is node 0 running? check IP_ADDR and PORT)") from None
-
-    def _wait_for_name(self, end: float) -> None:
-        """Node 0's name may not resolve yet (a Kubernetes pod's Service name before the pod
-        is up): say so once, and retry until ``end``."""
-        host, said = self.cfg.ip_addr, False
-        while True:
-            try:
-                socket.getaddrinfo(host, self.cfg.port, type=socket.SOCK_STREAM)
-                return
-            except socket.gaierror as exc:
-                if time.monotonic() >= end:
-                    raise GlobalUnreachable(
-                        f"node 0's address {host} (IP_ADDR) did not resolve within "
-                        f"{self.cfg.connect_timeout:g} s (CONNECT_TIMEOUT): {exc.strerror}"
-                    ) from None
-                if not said:
-                    said = True
-                    log.warning("node 0's address %s (IP_ADDR) does not resolve yet (%s); "
-                                "retrying for up to %g s (CONNECT_TIMEOUT)", host, exc.strerror,
-                                self.cfg.connect_timeout)
-                time.sleep(min(0.5, max(0.0, end - time.monotonic())))
-
-    def _start_workers(self) -> None:
-        reclaim_semaphores(self.dir)  # of a run of this node killed outright, before ours exist
-        self.gpus = gpus.node_gpus(self.cfg.devices or "")
-        if (line := gpus.describe(self.gpus, self.cfg.workers, self.cfg.devices or "")) is not None:
-            log.info("node %d: %s", self.cfg.node_index, line)
-        if (why := gpus.unseen(self.cfg.devices or "")) is not None:
-            log.warning("node %d: %s", self.cfg.node_index, why)
-        for i in range(self.cfg.workers):
-            proc, replies = self._spawn(i, evaluator=False, name=f"worker-{self.cfg.worker_id(i)}", restarts=0)
-            self.workers.append(WorkerState(i, self.cfg.worker_id(i), proc, replies, time.monotonic()))
-        if self.cfg.eval_every and self.cfg.node_index == 0:
-            self.evaluator = Evaluator(*self._spawn(m.EVALUATOR, evaluator=True, name="evaluator"))
-
-    def _spawn(self, local: int, evaluator: bool, name: str,
-               restarts: int = 0) -> tuple[mp.process.BaseProcess, object]:
-        replies = self.mp.Queue()
-        remember_semaphores(self.dir, replies)
-        sender = self.inbox.open()
-        ctx = WorkerContext(self.cfg, local, sender, replies, os.getpid(), self.beat, evaluator,
-                            restarts, gpus.for_worker(self.gpus, local))
-        proc = start_process(self.mp, worker_main, (ctx, self.log_level), f"lsgd-{name}")
-        self.inbox.bind(sender, proc.pid)
-        return proc, replies
-
-    def _shutdown(self, code: int = exitcodes.FAILED, reason: str = "") -> None:
-        self.closing = True
-        self.progress.close()  # the live line is erased before the last lines
-        self._announce_stop(code, reason)  # node 0 ending early: first tell the other nodes
-        self.liveness.close()
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-        procs = [w for w in self.workers] + ([self.evaluator] if self.evaluator else [])
-        for w in procs:
-            if w.proc.is_alive():
-                self._send(w, m.Stop("node shutting down"))
-        self._stop_plane()
-        if self.async_node is not None:  # its thread uses the segment: stop it first
-            self.async_node.stop()
-            stats = self.async_node.stats()
-            if "weights" in stats:  # gossip: by worker id
-                stats["weights"] = {self.cfg.worker_id(i): w for i, w in stats["weights"].items()}
-            self.summary["async"] = stats
-        # Each worker gets STOP_GRACE from its first Stop to exit (it may still be tearing down
-        # its interpreter after its last message), and at least a moment from now.
-        now = time.monotonic()
-        since = self.stop_sent_at if self.stop_sent_at is not None else now
-        end = max(now + 0.5, since + STOP_GRACE)
-        for w in procs:
-            w.proc.join(max(0.0, end - time.monotonic()))
-        for w in procs:
-            if w.proc.is_alive():
-                log.warning("%s did not stop in %.1f s; terminating", w.proc.name,
-                            time.monotonic() - since)
-            stop_process(w.proc, 2.0)  # and what it started
-        for q in [self.inbox] + [w.replies for w in procs]:
-            q.cancel_join_thread()
-            q.close()
-        if self.store is not None:
-            self.store.close(unlink=True)
-            self.store = None
-        self.metrics.close()
-        if self.board is not None:
-            self.board.close()
-        self._leave_at_end(code)  # after the workers' teardown: their last steps are counted
-        self.client.close()
-        self.summary.setdefault("node", self.cfg.node_index)
-        self.summary["stop_reason"] = reason or "unknown"
-        self.summary["exit_code"] = code
-        self.summary["workers"] = {w.worker_id: w.iterations for w in self.workers}
-        self.summary["pids"] = [os.getpid()] + [w.proc.pid for w in procs]
-        if self.evaluator is not None:
-            self.summary["evaluator"] = {"evaluations": self.evaluator.done,
-                                         "skipped": self.evaluator.skipped,
-                                         "exit_code": self.evaluator.proc.exitcode}
-        self.summary["resets"] = self.resets
-        self.summary["repeated_warnings"] = self.repeats.flush()
-        self.summary["respawns"] = {w.worker_id: w.respawns for w in self.workers if w.respawns}
-        self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}
-        self.summary["shm"] = self.layout_name
-        self.summary["seconds"] = round(time.monotonic() - self.t0, 3)
-        started = time.time() - (time.monotonic() - self.t0)
-        self.summary.update(self.view.final(), files=where_to_look(self.cfg, since=started))
-        if code in (exitcodes.OK, exitcodes.DEGRADED):
-            self.summary["job_stop_reason"] = budget_reason(self.cfg, self.summary.get("counter"))
-        write_atomic(self.dir / "summary.json", json.dumps(self.summary, indent=2))
 
     # ------------------------------------------------------------------ messaging
     def _send(self, w: WorkerState | Evaluator, msg: object) -> None:
@@ -424,103 +293,6 @@ class LocalServer(RoundMixin, ChainMixin, AsyncMixin, EvaluationMixin, RecoveryM
         self.report.late += consumed - take
 
     # ------------------------------------------------------------------ start
-    def _handshake(self) -> None:
-        counts: dict[int, int] = {}
-        end = time.monotonic() + START_TIMEOUT
-        while len(counts) < len(self._live()):
-            if time.monotonic() > end:
-                raise NodeError(f"workers did not start within {START_TIMEOUT:g} s")
-            self.view.wait(f"starting {len(self._live())} workers: {len(counts)} ready", key="start")
-            msg = self._recv()
-            if isinstance(msg, m.Hello):
-                counts[msg.local] = (msg.param_count, msg.stats_count, msg.average_stats)
-        sizes = set(counts.values())
-        if len(sizes) != 1:
-            raise NodeError(f"workers built models of different sizes {sorted(sizes)} (parameters, "
-                            "statistics); every worker must build the same model")
-        ((param_count, self.stats_count, self.average_stats),) = sizes
-        self.param_count = param_count
-        names = (self.rule.node_buffers if self.rule.synchronous
-                 else buffer_names(self.rule, self.cfg.workers))
-        layout = StoreLayout.new(self.cfg.job_id, self.cfg.node_index, param_count, self.cfg.workers,
-                                 names)
-        reclaim_stale(self.cfg.job_id, self.cfg.node_index)
-        self.store = NodeStore.create(layout)
-        self.layout_name = layout.name
-        self._start_plane(param_count)
-        self.view.wait(f"joining the job at {self.address}", "CONNECT_TIMEOUT",
-                       self.cfg.connect_timeout)
-        try:
-            resp = self.client.join(workers=self.cfg.workers, param_count=param_count,
-                                    algorithm=self.cfg.rule_spec, num_groups=self.cfg.num_groups,
-                                    connect_timeout=self.cfg.connect_timeout, replaces=self.replaces)
-        except grpc.RpcError as exc:
-            details = exc.details() or ""
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION and details.startswith(FINISHING):
-                raise JoinedTooLate("the job was finishing when this node joined: nothing was "
-                                    "left for it to do") from None
-            if (exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION,
-                               grpc.StatusCode.UNAUTHENTICATED)  # (a missing or wrong secret)
-                    and stop_reason_of(exc) is None):
-                raise JoinRefused(f"the global server refused this node: {details} "
-                                  f"({exc.code().name})") from None
-            raise
-        self._joined(resp.session, resp.counter)
-        self.view.on_counter(resp.counter)
-        self.heartbeat = Heartbeat(self.client, interval=min(1.0, self.cfg.node_timeout / 5),
-                                   give_up=max(2 * self.cfg.node_timeout, 10.0), view=self.view,
-                                   loop_silent=lambda: time.monotonic() - self.beat.value,
-                                   stale_after=stale_after(self.cfg.round_timeout,
-                                                           self.cfg.connect_timeout))
-        self.heartbeat.start()
-        self.last_round_seen = resp.round_id
-        resumed = None
-        if self.cfg.resume:
-            with self.liveness.blocking(SAVE_LIMIT):  # reading a big checkpoint takes a while
-                resumed = self._resume()
-        start = self._rejoin_point() if resp.counter > 0 and resumed is None else None
-        for w in self._live():
-            if start is not None:
-                ops.copy_(self.store.slot(w.local), self.store.buffer(start))
-            self._send(w, m.Setup(layout, from_slot=start is not None or resumed is not None,
-                                  iterations=w.iterations, resume=resumed is not None))
-        if self.evaluator is not None and self.evaluator.hello is not None:
-            self._from_evaluator(self.evaluator.hello)
-        ready: set[int] = set()
-        while len(ready) < len(self._live()):
-            if time.monotonic() > end:
-                raise NodeError(f"workers did not publish their parameters within {START_TIMEOUT:g} s")
-            self.view.wait(f"setting up {len(self._live())} workers: {len(ready)} ready", key="setup")
-            msg = self._recv()
-            if isinstance(msg, m.Ready):
-                ready.add(msg.local)
-            elif msg is not None:
-                self._dispatch(msg)
-        first = self.store.slot(min(ready))
-        for name in layout.buffers if resumed is None else ():  # all start at the initial model
-            ops.copy_(self.store.buffer(name), first)
-        if self.rule.exchange == Exchange.CENTER:
-            if resp.seed_center:
-                try:
-                    self.client.push(CENTER, self.store.buffer(CENTER), round_id=0, wire=self.cfg.wire)
-                except grpc.RpcError as exc:
-                    if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
-                        raise
-            if not self._pull(CENTER, CENTER, 0):
-                raise NodeError("could not download the initial EASGD center")
-        if not self.rule.synchronous:
-            self.async_node = AsyncNode(self.rule, self.store, self.client,
-                                        moved=param_count - self.stats_count,
-                                        sync_every=self.cfg.sync_every, wire=self.cfg.wire,
-                                        job_workers=self.cfg.total_workers)
-            for w in self._live():
-                self.async_node.start_worker(w.local)
-            self.async_node.start()
-        self.training = True
-        self.view.joined()
-        log.info("node %d joined job '%s': %d workers, %d parameters", self.cfg.node_index,
-                 self.cfg.job_id, len(ready), param_count)
-
     # ------------------------------------------------------------------ credits
     def _loop(self) -> None:
         while True:
