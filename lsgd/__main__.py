@@ -15,6 +15,10 @@ except ModuleNotFoundError as exc:  # run by a Python without lsgd's dependencie
 
 try:
     sys.exit(main())
-except KeyboardInterrupt:  # before the node's own signal handling was in place
-    print("lsgd: interrupted", file=sys.stderr)
-    sys.exit(130)
+except KeyboardInterrupt as exc:  # before the node could handle it itself
+    import signal
+
+    # lsgd's handler raises it for SIGTERM too (cli._Signals), with the signal's number
+    terminated = exc.args == (signal.SIGTERM,)
+    print(f"lsgd: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+    sys.exit(143 if terminated else 130)

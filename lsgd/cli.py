@@ -329,14 +329,14 @@ def _signal_name(signum: int) -> str:
 
 def train(config: JobConfig, level: int, security: Security) -> int:
     """Run this node (and, on node 0, the global server). Returns the exit code."""
-    from .local_server.server import LocalServer
-
     # One BLAS thread per worker process: workers already use every core.
     for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ.setdefault(var, "1")
     global_proc, supervisor, server = None, None, None
     code = exitcodes.FAILED
     try:
+        from .local_server.server import LocalServer
+
         port = config.port
         if config.node_index == 0:
             global_proc, ready = _start_global(config, level, security)
@@ -352,7 +352,10 @@ def train(config: JobConfig, level: int, security: Security) -> int:
         _print_summary(server.summary, code)
     except KeyboardInterrupt as exc:  # before the node ran: no workers yet
         code = exitcodes.TERMINATED if exc.args == (signal.SIGTERM,) else exitcodes.INTERRUPTED
-        _early_summary(config, code, "terminated" if code == exitcodes.TERMINATED else "interrupted")
+        reason = "terminated" if code == exitcodes.TERMINATED else "interrupted"
+        _early_summary(config, code, reason)
+        print(f"lsgd: node {config.node_index}: {reason} while starting", file=sys.stderr,
+              flush=True)
     except RuntimeError as exc:
         log.error("%s", exc)
         code = exitcodes.FAILED

@@ -141,13 +141,19 @@ class JobConfig:
         need(self.workers >= 1, f"workers must be >= 1, got {self.workers}")
         need(0 <= self.port <= 65535, f"port must be in 0..65535, got {self.port}")
         need(self.session_port is None or 0 <= self.session_port <= 65535,
-             f"session_port must be in 0..65535 (0: off), got {self.session_port}")
+             f"session_port must be in 0..65535 (0: the session streams on PORT), got "
+             f"{self.session_port}")
+        clash = "PORT" if self.session_address == self.port else "STATUS_PORT"
         need(not self.session_address or self.session_address not in (self.port,
                                                                        self.status_address),
-             f"session_port {self.session_address} is also PORT or STATUS_PORT; give each its own "
-             "port" if self.session_port is not None else
+             f"SESSION_PORT {self.session_address} is also {clash}; give each its own port, or "
+             "SESSION_PORT=0 to serve the nodes' session streams on PORT"
+             if self.session_port is not None else
              f"STATUS_PORT {self.status_address} is PORT+2, the default SESSION_PORT (the nodes' "
              "session streams); set SESSION_PORT to another port, or 0 to serve them on PORT")
+        need(not (self.port and self.status_address == self.port),
+             f"STATUS_PORT {self.port} is also PORT (the global server's); give the status page "
+             "its own port, leave STATUS_PORT empty for PORT+1, or set 0 to turn it off")
         need(self.status_port is None or 0 <= self.status_port <= 65535,
              f"status_port must be in 0..65535 (0: off), got {self.status_port}")
         need(self.progress_every >= 0 and math.isfinite(self.progress_every),
@@ -251,12 +257,15 @@ class JobConfig:
         need(rounds, f"PLANE=chain carries a round's leader or sums from node to node; "
              f"algorithm '{self.algorithm}' has no rounds: set PLANE=star")
         if self.node_index == 0 and self.data_port:  # node 0 hosts the global server's ports
-            theirs = {"PORT": self.port, "STATUS_PORT": self.status_address,
-                      "SESSION_PORT": self.session_address}
+            theirs = {"PORT": self.port,
+                      "STATUS_PORT" + (" (PORT+1 by default)" if self.status_port is None else ""):
+                          self.status_address,
+                      "SESSION_PORT" + (" (PORT+2 by default)" if self.session_port is None else ""):
+                          self.session_address}
             clash = [name for name, port in theirs.items() if port == self.data_port]
-            need(not clash, f"DATA_PORT {self.data_port} is also node 0's {clash[0] if clash else ''} "
-                 "(the global server's); give the data listener its own port, or DATA_PORT=0 "
-                 "for any free one")
+            need(not clash, f"DATA_PORT {self.data_port} is also node 0's {clash[0] if clash else ''}, "
+                 "a port of the global server; give the data listener its own port, or "
+                 "DATA_PORT=0 for any free one")
         if self.data_host is not None:
             import ipaddress
 

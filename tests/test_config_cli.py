@@ -39,14 +39,18 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("PLANE", "chain"), ("DATA_PORT", "70000")), "data_port must be in 0..65535, got 70000"),
     ((("PLANE_FANOUT", "0"),), "plane_fanout must be in 1..64, got 0"),
     ((("PLANE_FANOUT", "2"),), "with plane star it does nothing: set PLANE=chain"),
-    ((("SESSION_PORT", "70000"),), "session_port must be in 0..65535 (0: off), got 70000"),
+    ((("SESSION_PORT", "70000"),), "session_port must be in 0..65535 (0: the session streams on PORT), got 70000"),
     ((("PORT", "50051"), ("STATUS_PORT", "50053")),
      "STATUS_PORT 50053 is PORT+2, the default SESSION_PORT"),
-    ((("SESSION_PORT", "50051"),), "session_port 50051 is also PORT or STATUS_PORT"),
+    ((("SESSION_PORT", "50051"),), "SESSION_PORT 50051 is also PORT; give each its own port"),
+    ((("PORT", "50051"), ("STATUS_PORT", "50061"), ("SESSION_PORT", "50061")),
+     "SESSION_PORT 50061 is also STATUS_PORT"),
+    ((("PORT", "50051"), ("STATUS_PORT", "50051"), ("SESSION_PORT", "0")),
+     "STATUS_PORT 50051 is also PORT (the global server's)"),
     ((("PLANE", "chain"), ("PORT", "50051"), ("DATA_PORT", "50053")),
-     "DATA_PORT 50053 is also node 0's SESSION_PORT (the global server's)"),
+     "DATA_PORT 50053 is also node 0's SESSION_PORT (PORT+2 by default), a port of the global"),
     ((("PLANE", "chain"), ("PORT", "50051"), ("DATA_PORT", "50051")),
-     "DATA_PORT 50051 is also node 0's PORT (the global server's)"),
+     "DATA_PORT 50051 is also node 0's PORT, a port of the global server"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

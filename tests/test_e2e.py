@@ -229,3 +229,30 @@ def test_ctrl_c_at_any_moment_of_the_start_prints_no_traceback_and_leaves_nothin
         assert not node.wait_session_gone(10), \
             f"{delay} s: a process of the node survived\n{node.describe()}"
         assert not shm_segments(cluster.job_id), f"{delay} s: a segment left in /dev/shm"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sig, rc, word", [(signal.SIGTERM, 143, "terminated"),
+                                           (signal.SIGINT, 130, "interrupted")])
+def test_a_signal_while_the_node_still_imports_its_parts_says_so_with_the_right_code(
+        cluster, tmp_path, sig, rc, word):
+    """SIGTERM or Ctrl-C while the node imports its local server, before any process of it
+    started: the signal's own exit code (SIGTERM is not reported as a Ctrl-C) and one line."""
+    import os
+    from pathlib import Path
+
+    mark = tmp_path / "importing"
+    node = cluster(0, PORT=0, ITERATIONS=10**9, TOYJOB_STEP_SECONDS="0.001",
+                   PYTHONPATH=str(Path(__file__).parent / "slowimport"),
+                   LSGD_TEST_SLOW_IMPORT="lsgd.local_server.server",
+                   LSGD_TEST_SLOW_MARK=str(mark), **TOY)
+    end = time.monotonic() + 60
+    while not mark.exists():
+        assert time.monotonic() < end and node.proc.poll() is None, node.output
+        time.sleep(0.02)
+    os.killpg(node.proc.pid, sig)
+    assert node.wait(30) == rc, node.output
+    assert f"lsgd: node 0: {word} while starting" in node.output, node.output
+    assert "Traceback" not in node.output and "KeyboardInterrupt" not in node.output, node.output
+    assert node.summary()["exit_code"] == rc
+    assert not node.wait_session_gone(10), node.describe()
