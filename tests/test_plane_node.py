@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import signal
 import threading
 import time
@@ -483,3 +484,62 @@ def test_the_open_rounds_weights_survive_a_late_note_and_make_the_reduce_total()
     info = routes.plan_sums(5, {0: 2, 1: 2, 2: 1})
     assert info.total_summands == 5 and info.total_weight == pytest.approx(0.5 + 0.7 + 1)
     routes.note_weight(0, 6, 6, 6 * 1e-6 * (1 - 1e-12))  # clipped weights summed in floats
+
+
+def test_a_member_waiting_on_an_aborted_reduce_stops_when_the_server_says_so():
+    """A member died before it ever connected downstream: nothing can break at the route's end,
+    which would wait RECEIVE_STALL (10 s) for a chunk. The server aborted the reduce (another
+    member's bypass told it); a heartbeat's answer says so, and the wait ends at once."""
+    from lsgd.plane.messages import sum_route
+    from lsgd.plane.node import RECEIVE_STALL, DataPlane
+
+    told = []
+    plane = DataPlane(job_id="job", index=0, count=COUNT, secret=SECRET, host="127.0.0.1",
+                      timeout=30.0, bypass=lambda *args: told.append(args))
+    try:
+        with socket.socket() as unused:  # node 1's address: nobody there, nobody sends
+            unused.bind(("127.0.0.1", 0))
+            addresses = {0: plane.address, 1: f"127.0.0.1:{unused.getsockname()[1]}"}
+        info = sum_route(7, {0: (1, 0.0), 1: (1, 0.0)}, addresses, COUNT)
+        plane.begin(info, own=np.ones(COUNT, np.float32))
+        plane.reduce_aborted(6)  # another round's abort: nothing changes
+        threading.Timer(0.3, plane.reduce_aborted, args=(7,)).start()
+        t0 = time.monotonic()
+        assert plane.reduce() is None
+        assert time.monotonic() - t0 < min(3.0, RECEIVE_STALL / 2)
+        assert told == []  # the server knows already: no abort is sent back
+    finally:
+        plane.close()
+
+
+def test_the_servers_heartbeat_answer_names_the_newest_aborted_reduce():
+    from lsgd.config import JobConfig
+    from lsgd.global_server.server import build_servicer
+
+    servicer = build_servicer(JobConfig(algorithm="average", num_groups=3, port=0))
+    routes = servicer.routes
+    routes.addresses = {i: f"127.0.0.1:{4000 + i}" for i in range(3)}
+    routes.plan_sums(9, {0: 1, 1: 1, 2: 1})
+    assert servicer._heartbeat_answer(0).aborted_reduce == 0
+    with pytest.raises(CoordinatorError, match="aborted"):
+        routes.bypass(2, 9, 0, 1, "connection refused", reduce=True)
+    assert servicer._heartbeat_answer(0).aborted_reduce == 9
+
+
+def test_a_heartbeat_answer_naming_an_aborted_reduce_reaches_the_nodes_plane():
+    from types import SimpleNamespace
+
+    from lsgd.local_server.global_client import GlobalClient
+    from lsgd.proto import lsgd_pb2 as pb
+
+    client = GlobalClient("127.0.0.1:1", "job", 1, 30.0)  # no call goes out: a fake stub
+    try:
+        heard = []
+        client._stub = SimpleNamespace(
+            Heartbeat=lambda req, timeout, metadata: pb.HeartbeatResponse(aborted_reduce=5))
+        client.beat()  # nobody listens yet: nothing to tell
+        client.on_aborted = heard.append
+        client.beat()
+        assert heard == [5]
+    finally:
+        client.close()

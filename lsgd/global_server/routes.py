@@ -33,6 +33,7 @@ class Routes:
         self.center: RouteInfo | None = None  # a reduce round's broadcast of the new center
         self.bypasses = 0
         self.aborts = 0  # reduces aborted
+        self.aborted_round = 0  # the newest round whose reduce was aborted (heartbeats say it)
         self.weights: dict[int, dict[int, float]] = {}  # open round -> node -> its weight
         self._message: tuple[tuple, pb.DataRoute] | None = None  # to_pb, cached
 
@@ -116,6 +117,7 @@ class Routes:
                                    f"{'reduce' if reduce else 'broadcast'}")
         if reduce:  # nothing to bypass: the partial sums in flight hold the member's sum
             self.aborts += 1
+            self.aborted_round = max(self.aborted_round, round_id)
             log.warning("round %d: the reduce of the sums is aborted: node %d could not go on "
                         "with node %d (%s)", round_id, index, stalled,
                         why.encode("ascii", "replace").decode()[:MAX_WHY])

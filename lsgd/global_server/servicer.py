@@ -291,7 +291,8 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
                                     stopped=coord.stopped_for(index),
                                     nodes_alive=coord.live_count,
                                     nodes_missing=coord.missing_nodes()[:64],
-                                    job_started=coord.started, rounds=coord.rounds_opened)
+                                    job_started=coord.started, rounds=coord.rounds_opened,
+                                    aborted_reduce=self.routes.aborted_round)
         best = coord.last_leader
         if best is not None and best.leader is not None:
             resp.has_leader = True

@@ -64,6 +64,7 @@ class ChainMixin:
         self.client.data_address = self.plane.address
         plane = self.plane
         self.client.on_stopped = lambda why: plane.stop(f"the job stopped ({why})")
+        self.client.on_aborted = plane.reduce_aborted
         log.info("data listener at %s (PLANE=chain)", self.plane.address)
 
     def _stop_plane(self) -> None:

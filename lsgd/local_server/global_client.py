@@ -93,6 +93,7 @@ class GlobalClient:
         self._join_seq = 0  # the number of a reattach not answered yet
         self.stopped = ""  # non-empty once an answer said the job was stopped (the reason)
         self.on_stopped: Callable[[str], None] | None = None  # told once, from the answer's thread
+        self.on_aborted: Callable[[int], None] | None = None  # a reduce the server aborted (round)
         self.data_address = ""  # PLANE=chain: this node's data listener, told at every join
         self.answered_at = -math.inf  # when a credit or round call was last answered (monotonic)
         security = security or Security()
@@ -273,6 +274,8 @@ class GlobalClient:
             req.report.CopyFrom(report)
         resp = self._stub.Heartbeat(req, timeout=RPC_TIMEOUT, metadata=self._md)
         self._note_stop(resp.stopped)
+        if resp.aborted_reduce and self.on_aborted is not None:
+            self.on_aborted(resp.aborted_reduce)
         return resp
 
     @property

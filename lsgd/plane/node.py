@@ -202,6 +202,20 @@ class DataPlane:
         log.warning("round %d: %s (route epoch %d)", t.info.round_id, t.failed, t.info.route.epoch)
         return None
 
+    def reduce_aborted(self, round_id: int) -> None:
+        """The global server aborted round ``round_id``'s reduce (a member could not go on; a
+        heartbeat's answer says so): a member still waiting on it stops now, not after
+        ``RECEIVE_STALL`` seconds without a chunk (one that died before it ever connected
+        sent none that could break)."""
+        with self.cond:
+            t = self.current
+            if (t is not None and t.info.reduce and t.info.round_id == round_id
+                    and t.failed is None and not t.reception.complete):
+                t.failed = f"the global server aborted round {round_id}'s reduce"
+                t.reception.close(t.failed)
+                t.aborted = True  # the server knows: nothing to tell it
+                self.cond.notify_all()
+
     def stop(self, why: str) -> None:
         """End this node's part of the transfer in progress (the job stopped): a wait on it
         returns at once, as if it had failed, and its senders stop."""

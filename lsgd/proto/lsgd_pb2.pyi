@@ -107,7 +107,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., report: _Optional[_Union[NodeReport, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("counter", "epoch", "stopped", "nodes_alive", "nodes_missing", "job_started", "has_leader", "leader", "leader_node", "rounds", "evaluations_held")
+    __slots__ = ("counter", "epoch", "stopped", "nodes_alive", "nodes_missing", "job_started", "has_leader", "leader", "leader_node", "rounds", "evaluations_held", "aborted_reduce")
     COUNTER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class HeartbeatResponse(_message.Message):
     LEADER_NODE_FIELD_NUMBER: _ClassVar[int]
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     EVALUATIONS_HELD_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_REDUCE_FIELD_NUMBER: _ClassVar[int]
     counter: int
     epoch: int
     stopped: str
@@ -130,7 +131,8 @@ class HeartbeatResponse(_message.Message):
     leader_node: int
     rounds: int
     evaluations_held: int
-    def __init__(self, counter: _Optional[int] = ..., epoch: _Optional[int] = ..., stopped: _Optional[str] = ..., nodes_alive: _Optional[int] = ..., nodes_missing: _Optional[_Iterable[int]] = ..., job_started: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., rounds: _Optional[int] = ..., evaluations_held: _Optional[int] = ...) -> None: ...
+    aborted_reduce: int
+    def __init__(self, counter: _Optional[int] = ..., epoch: _Optional[int] = ..., stopped: _Optional[str] = ..., nodes_alive: _Optional[int] = ..., nodes_missing: _Optional[_Iterable[int]] = ..., job_started: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., rounds: _Optional[int] = ..., evaluations_held: _Optional[int] = ..., aborted_reduce: _Optional[int] = ...) -> None: ...
 
 class WorkerStat(_message.Message):
     __slots__ = ("worker_id", "iterations", "loss", "distance", "distance_to", "resets", "respawns", "training", "round_id")
