@@ -3,7 +3,7 @@
 import sys
 
 try:
-    from .cli import main
+    from .cli import run
 except KeyboardInterrupt:  # Ctrl-C while Python was still importing lsgd
     print("lsgd: interrupted", file=sys.stderr)
     sys.exit(130)
@@ -13,12 +13,4 @@ except ModuleNotFoundError as exc:  # run by a Python without lsgd's dependencie
           "PYTHON for train.sh), or install lsgd there: pip install -e .", file=sys.stderr)
     sys.exit(2)
 
-try:
-    sys.exit(main())
-except KeyboardInterrupt as exc:  # before the node could handle it itself
-    import signal
-
-    # lsgd's handler raises it for SIGTERM too (cli._Signals), with the signal's number
-    terminated = exc.args == (signal.SIGTERM,)
-    print(f"lsgd: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
-    sys.exit(143 if terminated else 130)
+sys.exit(run())

@@ -414,6 +414,18 @@ def _certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def run() -> int:
+    """The ``lsgd`` command (``python -m lsgd`` too): ``main``, and a signal that came before
+    the node could handle it itself ends it with that signal's code and one line."""
+    try:
+        return main()
+    except KeyboardInterrupt as exc:
+        # lsgd's handler raises it for SIGTERM too (_Signals), with the signal's number
+        terminated = exc.args == (signal.SIGTERM,)
+        print(f"lsgd: {'terminated' if terminated else 'interrupted'}", file=sys.stderr)
+        return exitcodes.TERMINATED if terminated else exitcodes.INTERRUPTED
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "certs":

@@ -143,7 +143,8 @@ class JobConfig:
         need(self.session_port is None or 0 <= self.session_port <= 65535,
              f"session_port must be in 0..65535 (0: the session streams on PORT), got "
              f"{self.session_port}")
-        clash = "PORT" if self.session_address == self.port else "STATUS_PORT"
+        clash = ("PORT" if self.session_address == self.port else "STATUS_PORT"
+                 + (" (PORT+1 by default)" if self.status_port is None else ""))
         need(not self.session_address or self.session_address not in (self.port,
                                                                        self.status_address),
              f"SESSION_PORT {self.session_address} is also {clash}; give each its own port, or "

@@ -543,3 +543,37 @@ def test_a_heartbeat_answer_naming_an_aborted_reduce_reaches_the_nodes_plane():
         assert heard == [5]
     finally:
         client.close()
+
+
+def test_a_member_holding_its_whole_sum_stops_sending_on_an_aborted_reduce_and_says_nothing():
+    """The member in the middle has its upstream's whole partial sum and is still sending it
+    on (to a node 0 that accepted the connection and then went silent): the server's abort
+    ends its send as well, and it does not report the abort back to the server."""
+    from lsgd.plane.messages import sum_route
+    from lsgd.plane.node import DataPlane
+
+    told = {1: [], 2: []}
+    silent = socket.create_server(("127.0.0.1", 0))  # node 0: a backlog, never an answer
+    planes = {i: DataPlane(job_id="job", index=i, count=COUNT, secret=SECRET, host="127.0.0.1",
+                           timeout=20.0, bypass=lambda *args, i=i: told[i].append(args))
+              for i in (1, 2)}
+    try:
+        addresses = {0: f"127.0.0.1:{silent.getsockname()[1]}", 1: planes[1].address,
+                     2: planes[2].address}
+        info = sum_route(7, {0: (1, 0.0), 1: (1, 0.0), 2: (1, 0.0)}, addresses, COUNT)
+        middle = next(i for i in (1, 2) if info.route.upstream(i) and info.route.downstream(i))
+        for p in planes.values():
+            p.begin(info, own=np.ones(COUNT, np.float32))
+        end = time.monotonic() + 10
+        while not planes[middle].current.reception.complete:
+            assert time.monotonic() < end, "the leaf's sum never reached the middle member"
+            time.sleep(0.02)
+        planes[middle].reduce_aborted(7)
+        t0 = time.monotonic()
+        assert planes[middle].reduce() is None
+        assert time.monotonic() - t0 < 5
+        assert told[middle] == []
+    finally:
+        for p in planes.values():
+            p.close()
+        silent.close()

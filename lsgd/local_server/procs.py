@@ -61,8 +61,9 @@ def children_ignore_sigint() -> Iterator[None]:
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # read only: nothing to undo yet
+    try:  # (a Ctrl-C may end the call below once SIGINT is blocked: the mask is restored)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)

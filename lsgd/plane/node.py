@@ -98,6 +98,19 @@ class Transfer:
         self.aborted = False  # a reduce that failed here was reported to the server
         self.threads: list[threading.Thread] = []
         self.results: dict[int, bool] = {}  # child -> whether it got the whole vector
+        self.sockets: set[socket.socket] = set()  # this transfer's connections to its children
+
+    def fail(self, why: str) -> None:
+        """Take nothing more, and end the sends to the children now: a sender waiting on a
+        child that went silent would otherwise wait out the round's deadline (the caller holds
+        the plane's lock and notifies)."""
+        self.failed = self.failed or why
+        self.reception.close(self.failed)
+        for s in self.sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 class DataPlane:
@@ -210,10 +223,9 @@ class DataPlane:
         with self.cond:
             t = self.current
             if (t is not None and t.info.reduce and t.info.round_id == round_id
-                    and t.failed is None and not t.reception.complete):
-                t.failed = f"the global server aborted round {round_id}'s reduce"
-                t.reception.close(t.failed)
+                    and t.failed is None):  # (a member holding its whole sum stops sending too)
                 t.aborted = True  # the server knows: nothing to tell it
+                t.fail(f"the global server aborted round {round_id}'s reduce")
                 self.cond.notify_all()
 
     def stop(self, why: str) -> None:
@@ -222,8 +234,7 @@ class DataPlane:
         with self.cond:
             t = self.current
             if t is not None and t.failed is None:
-                t.failed = why
-                t.reception.close(why)
+                t.fail(why)
             self.cond.notify_all()
 
     @property
@@ -280,7 +291,8 @@ class DataPlane:
                 break
             except Unanswered as exc:  # its listener is full: try again before giving up on it
                 why = str(exc)
-                if time.monotonic() - knocked < AUTH_WAIT + 1.0 and not self.closed:
+                if (time.monotonic() - knocked < AUTH_WAIT + 1.0 and not self.closed
+                        and t.failed is None):
                     time.sleep(0.1)
                     continue
             except (TransferError, OSError) as exc:
@@ -330,8 +342,16 @@ class DataPlane:
         header = Header(self.job_id, info.round_id, info.route.epoch, int(info.reduce), 0,
                         self.index, child, self.count, info.chunk)
         with socket.create_connection((host.strip("[]"), int(port)), timeout=min(STALL, left)) as s:
-            send_vector(s, header, data, self.secret, timeout=left, chunk_ready=ready,
-                        stall=STALL)
+            with self.cond:
+                if t.failed is not None:
+                    raise TransferError(t.failed)
+                t.sockets.add(s)
+            try:
+                send_vector(s, header, data, self.secret, timeout=left, chunk_ready=ready,
+                            stall=STALL)
+            finally:
+                with self.cond:
+                    t.sockets.discard(s)
 
     def _join(self, t: Transfer) -> bool:
         """Wait for every sender of ``t``, those a bypass starts meanwhile too (bounded by its

@@ -52,7 +52,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .route import Reception, RouteError
 
-MAGIC, VERSION = b"LSGDDATA", 2
+MAGIC, VERSION = b"LSGDDATA", 3
 NONCE = 16
 MAC = 32
 ITEMSIZE = {0: 4, 1: 2}  # wire format code: float32, bfloat16
