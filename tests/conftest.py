@@ -82,6 +82,12 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+def _default_sigint() -> None:
+    """A node as a terminal starts it, whatever the test runner's own SIGINT handling (a
+    runner started in the background ignores SIGINT, and its children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Node:
     """One `bash train.sh <i>` process with its environment."""
 
@@ -97,7 +103,7 @@ class Node:
         self.proc = subprocess.Popen(prefix + ["bash", str(REPO / "train.sh"), *index_arg], env=env,
                                      stdout=self._logf, stderr=subprocess.STDOUT, cwd=run_dir,
                                      start_new_session=True,
-                                     preexec_fn=_ignore_sigint if ignore_sigint else None)
+                                     preexec_fn=_ignore_sigint if ignore_sigint else _default_sigint)
 
     def wait(self, timeout: float) -> int:
         """The node's exit code; past ``timeout``, a failure that says what each of its

@@ -256,3 +256,26 @@ def test_a_signal_while_the_node_still_imports_its_parts_says_so_with_the_right_
     assert "Traceback" not in node.output and "KeyboardInterrupt" not in node.output, node.output
     assert node.summary()["exit_code"] == rc
     assert not node.wait_session_gone(10), node.describe()
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_while_a_node_started_in_the_background_still_imports_is_not_lost(cluster, tmp_path):
+    """A node started in the background inherits SIGINT as ignored (a script's ``&``, a CI
+    runner): a Ctrl-C (kill -INT) while it still imports lsgd's parts ends it, once, with
+    exit 130, instead of being ignored while the node goes on to train."""
+    import os
+    from pathlib import Path
+
+    mark = tmp_path / "importing"
+    node = cluster(0, _ignore_sigint=True, PORT=0, ITERATIONS=10**9,
+                   TOYJOB_STEP_SECONDS="0.001",
+                   PYTHONPATH=str(Path(__file__).parent / "slowimport"),
+                   LSGD_TEST_SLOW_IMPORT="lsgd.cli", LSGD_TEST_SLOW_MARK=str(mark), **TOY)
+    end = time.monotonic() + 60
+    while not mark.exists():
+        assert time.monotonic() < end and node.proc.poll() is None, node.output
+        time.sleep(0.02)
+    os.killpg(node.proc.pid, signal.SIGINT)
+    assert node.wait(30) == 130, node.output
+    assert "lsgd: interrupted" in node.output and "Traceback" not in node.output, node.output
+    assert not node.wait_session_gone(10), node.describe()
