@@ -19,6 +19,7 @@ import sigint_child, sigint_probe
 from lsgd.local_server.procs import children_ignore_sigint
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a node does (lsgd/__main__)
     seen, stop = [], threading.Event()
 
     def watch():  # the parent's own SIGINT disposition, sampled while it starts children
