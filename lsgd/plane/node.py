@@ -208,8 +208,7 @@ class DataPlane:
             if t.reception.complete:
                 self.stats["received"] += 1
                 return self.stage
-            t.failed = t.failed or "the node is shutting down"
-            t.reception.close(t.failed)
+            t.fail("the node is shutting down")
             self.stats["failed"] += 1
             self.cond.notify_all()
         log.warning("round %d: %s (route epoch %d)", t.info.round_id, t.failed, t.info.route.epoch)
@@ -246,8 +245,7 @@ class DataPlane:
         with self.cond:
             self.closed = True
             if self.current is not None:
-                self.current.failed = self.current.failed or "the node is shutting down"
-                self.current.reception.close(self.current.failed)
+                self.current.fail("the node is shutting down")
             self.cond.notify_all()
         self.sock.close()
         self._acceptor.join(2.0)
@@ -372,8 +370,7 @@ class DataPlane:
         """A reduce failed here: stop every part of it on this node (which breaks the
         neighbours' connections in turn) and tell the server once, which skips the exchange."""
         with self.cond:
-            t.failed = t.failed or why
-            t.reception.close(t.failed)
+            t.fail(why)
             self.cond.notify_all()
             if t.aborted:
                 return
@@ -395,8 +392,7 @@ class DataPlane:
             return
         self._join(t)
         with self.cond:
-            t.failed = t.failed or "a newer round began"
-            t.reception.close(t.failed)  # a connection of that round still open writes nothing
+            t.fail("a newer round began")  # a connection of that round still open writes nothing
             self.cond.notify_all()
 
     # ------------------------------------------------------------------ receiving
