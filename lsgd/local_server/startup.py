@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import socket
 import time
+from typing import Callable
 
 import grpc
 
@@ -96,16 +97,28 @@ class StartupMixin:
         self.inbox.bind(sender, proc.pid)
         return proc, replies
 
-    def _handshake(self) -> None:
-        counts: dict[int, int] = {}
-        end = time.monotonic() + START_TIMEOUT
-        while len(counts) < len(self._live()):
+    def _hear_from_workers(self, kind: type, end: float, key: str, doing: str, late: str,
+                           other: "Callable[[object], None] | None" = None) -> dict[int, object]:
+        """Every live worker's ``kind`` message (by local index), waited for until ``end``
+        (then NodeError: the workers did not ``late`` in time); ``other`` takes any other
+        message meanwhile (else it is dropped)."""
+        got: dict[int, object] = {}
+        while len(got) < len(self._live()):
             if time.monotonic() > end:
-                raise NodeError(f"workers did not start within {START_TIMEOUT:g} s")
-            self.view.wait(f"starting {len(self._live())} workers: {len(counts)} ready", key="start")
+                raise NodeError(f"workers did not {late} within {START_TIMEOUT:g} s")
+            self.view.wait(f"{doing} {len(self._live())} workers: {len(got)} ready", key=key)
             msg = self._recv()
-            if isinstance(msg, m.Hello):
-                counts[msg.local] = (msg.param_count, msg.stats_count, msg.average_stats)
+            if isinstance(msg, kind):
+                got[msg.local] = msg
+            elif msg is not None and other is not None:
+                other(msg)
+        return got
+
+    def _handshake(self) -> None:
+        end = time.monotonic() + START_TIMEOUT
+        hellos = self._hear_from_workers(m.Hello, end, "start", "starting", "start")
+        counts = {local: (h.param_count, h.stats_count, h.average_stats)
+                  for local, h in hellos.items()}
         sizes = set(counts.values())
         if len(sizes) != 1:
             raise NodeError(f"workers built models of different sizes {sorted(sizes)} (parameters, "
@@ -158,16 +171,8 @@ class StartupMixin:
                                   iterations=w.iterations, resume=resumed is not None))
         if self.evaluator is not None and self.evaluator.hello is not None:
             self._from_evaluator(self.evaluator.hello)
-        ready: set[int] = set()
-        while len(ready) < len(self._live()):
-            if time.monotonic() > end:
-                raise NodeError(f"workers did not publish their parameters within {START_TIMEOUT:g} s")
-            self.view.wait(f"setting up {len(self._live())} workers: {len(ready)} ready", key="setup")
-            msg = self._recv()
-            if isinstance(msg, m.Ready):
-                ready.add(msg.local)
-            elif msg is not None:
-                self._dispatch(msg)
+        ready = self._hear_from_workers(m.Ready, end, "setup", "setting up",
+                                        "publish their parameters", other=self._dispatch)
         first = self.store.slot(min(ready))
         for name in layout.buffers if resumed is None else ():  # all start at the initial model
             ops.copy_(self.store.buffer(name), first)
