@@ -82,10 +82,12 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def _default_sigint() -> None:
-    """A node as a terminal starts it, whatever the test runner's own SIGINT handling (a
-    runner started in the background ignores SIGINT, and its children inherit that)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# Nodes start as a terminal starts them, whatever the runner's own SIGINT handling: a runner
+# started in the background ignores SIGINT, and its children would inherit that. Set here, in
+# this process, not in a preexec_fn: that makes Popen fork, and gRPC's fork handlers then
+# crash the child before its exec (epoll_wait: Bad file descriptor, grpc/grpc#43055).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class Node:
@@ -103,7 +105,7 @@ class Node:
         self.proc = subprocess.Popen(prefix + ["bash", str(REPO / "train.sh"), *index_arg], env=env,
                                      stdout=self._logf, stderr=subprocess.STDOUT, cwd=run_dir,
                                      start_new_session=True,
-                                     preexec_fn=_ignore_sigint if ignore_sigint else _default_sigint)
+                                     preexec_fn=_ignore_sigint if ignore_sigint else None)
 
     def wait(self, timeout: float) -> int:
         """The node's exit code; past ``timeout``, a failure that says what each of its
