@@ -85,6 +85,55 @@ def test_the_other_workers_messages_are_untouched(node):
     assert node.report.late == 0
 
 
+class Exited(Proc):
+    def __init__(self, pid: int, exitcode: int) -> None:
+        self.pid, self.exitcode = pid, exitcode
+
+
+class Unread(queue.Queue):
+    """An inbox that still holds what exited processes sent (``drain``, as ``Inbox``)."""
+
+    def __init__(self, left: dict[int, list[object]]) -> None:
+        super().__init__()
+        self.left = left
+
+    def drain(self, pid: int) -> list[object]:
+        return self.left.pop(pid, [])
+
+
+@pytest.mark.parametrize("exitcode", [0, 1])
+def test_a_bye_read_only_after_the_process_exited_ends_the_worker_and_is_not_respawned(
+        node, caplog, exitcode):
+    # the loop ended (Bye) and the process exited before the node read its pipe: running the
+    # loop again would redo its steps from step 1 (CI: 200 steps counted for a loop of 100)
+    node.store, respawned_ = object(), []
+    node._respawn = respawned_.append
+    w0, w1 = node.workers
+    w0.outstanding, w1.outstanding = 8, 8
+    w1.proc = Exited(102, exitcode)
+    node.inbox = Unread({102: [m.Progress(1, 60), m.Bye(1, 40)]})
+    node._check_workers()
+    assert respawned_ == [] and w1.gone and not w0.gone
+    assert w1.iterations == 100 and node.report.consumed + node.report.late == 100
+    said = "worker 1 left the job: its training loop ended"
+    assert said in caplog.text
+    if exitcode:  # it ended, then failed: the node says so and the result is suspect
+        assert ", then its process exited with code 1" in caplog.text
+        assert node._problems() != []
+    else:
+        assert node._problems() == []
+
+
+def test_a_process_that_exited_without_a_bye_is_respawned(node):
+    node.store, respawned_ = object(), []
+    node._respawn = respawned_.append
+    w1 = node.workers[1]
+    w1.proc = Exited(102, 0)
+    node.inbox = Unread({102: [m.Progress(1, 60)]})
+    node._check_workers()
+    assert respawned_ == [w1] and w1.iterations == 60
+
+
 def test_the_inbox_reads_every_process_pipe_and_drains_a_dead_ones():
     import multiprocessing as mp
 

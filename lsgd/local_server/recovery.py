@@ -92,11 +92,12 @@ class RecoveryMixin:
             ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
         self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
 
-    def _last_words(self, w: WorkerState) -> str | None:
+    def _last_words(self, w: WorkerState) -> tuple[str | None, bool]:
         """Read what the process of ``w`` that just exited sent and the node has not read yet
-        (then its pipe is closed): its steps count, and a reported error (returned) is not
-        respawned."""
-        error = None
+        (then its pipe is closed): its steps count. Returns (the error it reported, whether its
+        loop ended on its own: a Bye). Neither is respawned: the error would come back, and a
+        loop that ended would run again from its first step."""
+        error, ended = None, False
         for msg in self.inbox.drain(w.proc.pid):
             if isinstance(msg, m.Failed):
                 w.reported, error = True, msg.error
@@ -104,7 +105,8 @@ class RecoveryMixin:
                           "\n" + msg.trace.rstrip() if msg.trace else "")
             elif getattr(msg, "consumed", 0):
                 self._account(w, msg.consumed)
-        return error
+            ended = ended or isinstance(msg, m.Bye)
+        return error, ended
 
     def _from_the_dead(self, w: WorkerState, msg: object) -> None:
         """A message that a process of ``w`` sent before it died, read after its death was seen:

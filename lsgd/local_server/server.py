@@ -194,10 +194,14 @@ class LocalServer(StartupMixin, RoundMixin, ChainMixin, AsyncMixin, EvaluationMi
         for w in self._live():
             if w.proc.exitcode is not None:
                 end_group(w.proc.pid)  # what it started goes with it
-                error = self._last_words(w)
+                error, ended = self._last_words(w)
+                if error is None and ended:  # its Bye, read only now: as if read in time
+                    error = "the job is over" if self.stopping else "its training loop ended"
+                    if w.proc.exitcode:
+                        error += f", then its process exited with code {w.proc.exitcode}"
                 self._gone(w, error or f"process exited with code {w.proc.exitcode}",
-                           logged=error is not None)
-                if not w.reported and not self.stopping and self.store is not None:
+                           logged=w.reported)
+                if not w.reported and not ended and not self.stopping and self.store is not None:
                     self._respawn(w)
             elif (w.outstanding and not w.released and w.local not in self.pending
                   and now - w.last_contact > self.cfg.round_timeout):
