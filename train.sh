@@ -31,6 +31,7 @@ fi
 ip_addr="${IP_ADDR:-127.0.0.1}"     # address of node 0 (global server)
 port="${PORT:-50051}"               # global server port (0 on node 0: any free port)
 session_port="${SESSION_PORT:-}"   # the nodes' session streams (empty: PORT+2; 0: on PORT)
+bulk_port="${BULK_PORT:-}"         # the nodes' parameter transfers (empty: PORT+3; 0: on PORT)
 num_groups="${NUM_GROUPS:-1}"       # number of nodes
 workers="${WORKERS:-2}"             # worker processes per node
 # --- the rule ------------------------------------------------------------------------------
@@ -112,5 +113,5 @@ exec "$PYTHON" -m lsgd train \
     --devices "$devices" \
     --secret-file "$secret_file" --tls-ca "$tls_ca" --tls-cert "$tls_cert" --tls-key "$tls_key" \
     --mtls "$mtls" --allow-insecure "$allow_insecure" --status-port "$status_port" \
-    --session-port "$session_port" \
+    --session-port "$session_port" --bulk-port "$bulk_port" \
     --progress-every "$progress_every" --tensorboard "$tensorboard" --log-level "$log_level"

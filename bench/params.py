@@ -387,7 +387,7 @@ def measure(quick: bool) -> dict[str, Any]:
 
     rounds = 5 if quick else 11
     batches = 2 if quick else 4  # of 3 data-connection transfers each way, between TCP sends
-    tcp_reps = 4 + 2 * batches
+    tcp_reps = 4 + 4 * batches
     out: dict[str, Any] = {"rounds": rounds}
     run_dir = tempfile.mkdtemp(prefix="lsgd-bench-params-")
     layout = StoreLayout.new("bench", 0, N, slots=1, buffers=("global_leader",))
@@ -412,6 +412,15 @@ def measure(quick: bool) -> dict[str, Any]:
             clients[i].join(workers=1, param_count=N, algorithm="lsgd", num_groups=2,
                             connect_timeout=20)
         node = Node(clients)
+        bulk_port = clients[0].transfers.bulk_port
+        if not bulk_port:
+            raise RuntimeError("the global server named no bulk port")
+
+        def path(bulk: bool) -> None:  # the same server, its bulk port or its gRPC streams
+            for c in clients:
+                c.transfers.bulk_port = bulk_port if bulk else 0
+
+        path(False)
         before = {"client": rss_anon(os.getpid()), "server": rss_anon(proc.pid)}
         out["float32"] = grpc_rounds(node, src, dst, rounds, "float32")
         # What the transfers keep for good (heap, gRPC buffers); the server's global-leader
@@ -424,6 +433,19 @@ def measure(quick: bool) -> dict[str, Any]:
             out["bfloat16"]["memory"] = memory_round(node, src, dst, proc.pid, "bfloat16")
         for _ in range(2):
             tcp.send()
+        # the bulk port against gRPC streams, in batches interleaved with the baseline's
+        out["bulk"] = {"push_s": [], "pull_s": []}
+        out["grpc"] = {"push_s": [], "pull_s": []}
+        for _ in range(batches):
+            for bulk, key in ((True, "bulk"), (False, "grpc")):
+                path(bulk)
+                got = grpc_rounds(node, src, dst, 3, "float32")
+                out[key]["push_s"] += got["push_s"]
+                out[key]["pull_s"] += got["pull_s"]
+                tcp.send()
+        path(True)
+        out["bulk"]["memory"] = memory_round(node, src, dst, proc.pid, "float32")
+        out["bulk_moved"] = dict(clients[0].transfers.moved)
         # the data connection's rounds interleaved with the baseline's (loopback speed drifts
         # with the host's other load: a block measured apart from its baseline misleads)
         out["plane_s"], out["plane_mac_s"] = [], []
@@ -463,6 +485,21 @@ def run(quick: bool) -> list[Result]:
             met=gbps >= GOAL_GBPS and ratio >= GOAL_TCP_FRACTION,
             extra={"seconds": [round(s, 4) for s in f32[key]],
                    "tcp_seconds": [round(s, 4) for s in m["tcp_s"]], "rounds": m["rounds"]}))
+    for way, key in (("push", "push_s"), ("pull", "pull_s")):
+        gbps, grpc_gbps = (NBYTES / statistics.median(m[p][key]) / GB for p in ("bulk", "grpc"))
+        results.append(Result(
+            TARGET, f"{way} 100 MB float32 on the server's bulk port (BULK_PORT)", round(gbps, 3),
+            "GB/s", baseline=round(tcp, 3),
+            baseline_name="plain TCP socket, 100 MB sendall/recv_into",
+            ratio=round(gbps / tcp, 3), ratio_note="value / baseline",
+            goal=f">= {PLANE_GOAL:.0%} of TCP (issue 15)", met=gbps / tcp >= PLANE_GOAL,
+            extra={"seconds": [round(x, 4) for x in m["bulk"][key]],
+                   "grpc_seconds_same_batches": [round(x, 4) for x in m["grpc"][key]],
+                   "grpc_gbps_same_batches": round(grpc_gbps, 3),
+                   "vs_grpc": round(gbps / grpc_gbps, 3),
+                   "peak_extra_mb": {side: round(m["bulk"]["memory"][f"{side}_{way}"] / MB, 1)
+                                     for side in ("client", "server")},
+                   "transfers": m["bulk_moved"]}))
     for key, what in (("plane_s", "no secret (a loopback job)"),
                       ("plane_mac_s", "job secret: a MAC per chunk (AES-GMAC of its bytes)")):
         gbps = NBYTES / statistics.median(m[key]) / GB

@@ -266,7 +266,7 @@ class _Supervisor(threading.Thread):
 
 
 def _port_taken(config: JobConfig) -> str | None:
-    """Node 0: a line saying that ``PORT`` or ``SESSION_PORT`` is taken on the address the
+    """Node 0: a line saying that ``PORT``, ``SESSION_PORT`` or ``BULK_PORT`` is taken on the address the
     global server binds (the race with another program that takes it after this check ends
     as before, exit 1)."""
     if config.node_index != 0:
@@ -282,6 +282,11 @@ def _port_taken(config: JobConfig) -> str | None:
                 f"program listens there{'; empty SESSION_PORT means PORT+2' if config.session_port is None else ''}); "
                 "set SESSION_PORT=<n> to a free port, or SESSION_PORT=0 to serve the nodes' "
                 "session streams on PORT")
+    bulk = config.bulk_address
+    if bulk and _taken(bind, bulk):
+        return (f"BULK_PORT {bulk} is taken on {bind} (another lsgd job or another program "
+                f"listens there{'; empty BULK_PORT means PORT+3' if config.bulk_port is None else ''}); "
+                "set BULK_PORT=<n> to a free port, or BULK_PORT=0 to move the parameters on PORT")
     return None
 
 

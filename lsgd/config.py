@@ -38,6 +38,10 @@ class JobConfig:
     session_port: int | None = _f(None, "the global server's port for the nodes' session streams "
                                   "(their credit and round calls; an asyncio server): empty = "
                                   "PORT+2 (any free port when PORT is 0), 0 = off (on PORT)")
+    bulk_port: int | None = _f(None, "the global server's port for the nodes' parameter "
+                               "uploads and downloads (plain data connections, at a socket's "
+                               "speed; off under TLS): empty = PORT+3 (any free port when PORT "
+                               "is 0), 0 = off (gRPC streams on PORT)")
     num_groups: int = _f(1, "number of nodes in the job")
     workers: int = _f(2, "worker processes per node")
     algorithm: str = _f("lsgd", "training rule: lsgd | easgd | average | diloco | grawa | "
@@ -152,6 +156,23 @@ class JobConfig:
              if self.session_port is not None else
              f"STATUS_PORT {self.status_address} is PORT+2, the default SESSION_PORT (the nodes' "
              "session streams); set SESSION_PORT to another port, or 0 to serve them on PORT")
+        need(self.bulk_port is None or 0 <= self.bulk_port <= 65535,
+             f"bulk_port must be in 0..65535 (0: parameter transfers on PORT), got "
+             f"{self.bulk_port}")
+        need(self.bulk_port is None or not self.bulk_port or self.tls_ca is None,
+             "BULK_PORT's connections are authenticated by the job secret but not encrypted: "
+             "with TLS_CA set, leave BULK_PORT empty or 0 (the transfers stay on TLS)")
+        if self.bulk_address:
+            others = {"PORT": self.port,
+                      "STATUS_PORT" + (" (PORT+1 by default)" if self.status_port is None else ""):
+                          self.status_address,
+                      "SESSION_PORT" + (" (PORT+2 by default)" if self.session_port is None else ""):
+                          self.session_address}
+            same = [name for name, port in others.items() if port == self.bulk_address]
+            need(not same, f"BULK_PORT {self.bulk_address}"
+                 + (" (PORT+3 by default)" if self.bulk_port is None else "")
+                 + f" is also {same[0] if same else ''}; give each its own port, or BULK_PORT=0 "
+                 "to move the parameters on PORT")
         need(not (self.port and self.status_address == self.port),
              f"STATUS_PORT {self.port} is also PORT (the global server's); give the status page "
              "its own port, leave STATUS_PORT empty for PORT+1, or set 0 to turn it off")
@@ -262,7 +283,9 @@ class JobConfig:
                       "STATUS_PORT" + (" (PORT+1 by default)" if self.status_port is None else ""):
                           self.status_address,
                       "SESSION_PORT" + (" (PORT+2 by default)" if self.session_port is None else ""):
-                          self.session_address}
+                          self.session_address,
+                      "BULK_PORT" + (" (PORT+3 by default)" if self.bulk_port is None else ""):
+                          self.bulk_address}
             clash = [name for name, port in theirs.items() if port == self.data_port]
             need(not clash, f"DATA_PORT {self.data_port} is also node 0's {clash[0] if clash else ''}, "
                  "a port of the global server; give the data listener its own port, or "
@@ -319,6 +342,16 @@ class JobConfig:
         if self.session_port is None:
             return 0 if self.port == 0 else (self.port + 2 if self.port < 65534 else 0)
         return self.session_port
+
+    @property
+    def bulk_address(self) -> int | None:
+        """The port of the nodes' parameter transfers (``global_server/bulk.py``): None when
+        off (gRPC streams on ``port``; always under TLS), 0 for any free port."""
+        if self.bulk_port == 0 or self.tls_ca is not None:
+            return None
+        if self.bulk_port is None:
+            return 0 if self.port == 0 else (self.port + 3 if self.port < 65533 else 0)
+        return self.bulk_port
 
     @property
     def status_address(self) -> int | None:

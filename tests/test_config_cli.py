@@ -51,6 +51,17 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
      "DATA_PORT 50053 is also node 0's SESSION_PORT (PORT+2 by default), a port of the global"),
     ((("PLANE", "chain"), ("PORT", "50051"), ("DATA_PORT", "50051")),
      "DATA_PORT 50051 is also node 0's PORT, a port of the global server"),
+    ((("PLANE", "chain"), ("PORT", "50051"), ("DATA_PORT", "50054")),
+     "DATA_PORT 50054 is also node 0's BULK_PORT (PORT+3 by default), a port of the global"),
+    ((("BULK_PORT", "70000"),), "bulk_port must be in 0..65535 (0: parameter transfers on PORT), got 70000"),
+    ((("PORT", "50051"), ("BULK_PORT", "50052")),
+     "BULK_PORT 50052 is also STATUS_PORT (PORT+1 by default); give each its own port, or "
+     "BULK_PORT=0 to move the parameters on PORT"),
+    ((("PORT", "50051"), ("STATUS_PORT", "50054")),
+     "BULK_PORT 50054 (PORT+3 by default) is also STATUS_PORT"),
+    ((("BULK_PORT", "50060"), ("TLS_CA", "ca.pem")),
+     "BULK_PORT's connections are authenticated by the job secret but not encrypted: with "
+     "TLS_CA set, leave BULK_PORT empty or 0"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

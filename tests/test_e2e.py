@@ -64,6 +64,26 @@ def test_bfloat16_wire_between_two_nodes(cluster, algorithm):
     assert ev["leader"]["accuracy"] > 0.99 and ev["average"]["accuracy"] > 0.99
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("algorithm", ["lsgd", "easgd"])
+def test_a_large_model_moves_on_the_bulk_port_between_two_nodes(cluster, algorithm):
+    # 400k parameters (1.6 MB): every upload and download goes to the server's BULK_PORT
+    knobs = dict(NUM_GROUPS=2, ALGORITHM=algorithm, ITERATIONS=2000, TOYJOB_SIZE=400_000,
+                 LSGD_SECRET="bulk-e2e-secret-0123456789", **TOY)
+    n0 = cluster(0, PORT=0, **knobs)
+    n1 = cluster(1, PORT=cluster.port_of_node0(), **knobs)
+    assert n1.wait(150) == 0, n1.output
+    assert n0.wait(30) == 0, n0.output
+    counter, done = counter_check(cluster.run_dir, [n0, n1])
+    assert counter == done == 2000
+    g = global_summary(cluster.run_dir)
+    assert g["bulk_port"] and g["parameter_bytes"]["in"] >= 1_600_000
+    moved = [node.summary()["transfers"] for node in (n0, n1)]
+    assert all(m["grpc"] == 0 for m in moved) and sum(m["bulk"] for m in moved) >= 3, moved
+    ev = n0.summary()["evaluation"]
+    assert ev["leader"]["accuracy"] > 0.99 and ev["average"]["accuracy"] > 0.99
+
+
 @pytest.mark.timeout(120)
 def test_worker_killed_mid_run_does_not_hang_the_job(cluster):
     # worker 1 SIGKILLs itself at its 300th step; with RESPAWN=0 the node goes on without it

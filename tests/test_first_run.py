@@ -74,6 +74,21 @@ def test_a_session_port_in_use_is_one_line(tmp_path):
             "SESSION_PORT=0 to serve the nodes' session streams on PORT"], r.stderr
 
 
+def test_a_bulk_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:  # PORT+3, the default BULK_PORT, of a free PORT
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        res = run_train(tmp_path, PORT=port - 3, SESSION_PORT=0, timeout=30)
+        explicit = run_train(tmp_path, PORT=0, BULK_PORT=port, timeout=30)
+    for r, why in ((res, "; empty BULK_PORT means PORT+3"), (explicit, "")):
+        assert r.returncode == 2, r.stdout + r.stderr
+        assert r.stderr.strip().splitlines() == [
+            f"lsgd: error: BULK_PORT {port} is taken on 127.0.0.1 (another lsgd job or "
+            f"another program listens there{why}); set BULK_PORT=<n> to a free port, or "
+            "BULK_PORT=0 to move the parameters on PORT"], r.stderr
+
+
 @pytest.mark.parametrize("entry, expected", [
     ("nosuch_pkg.train:main", "ENTRY 'nosuch_pkg.train:main': no module named 'nosuch_pkg.train' "
                               "(check ENTRY and PYTHONPATH)"),

@@ -387,10 +387,12 @@ class ParamStore(DeltaMixin, SavedParams):
 
     # ------------------------------------------------------------------ downloads
     def pull(self, round_id: int, buffer: str, chunk: int, timeout: float,
-             wire: str = "float32") -> Iterator[tuple[int, bytes]]:
+             wire: str = "float32", views: bool = False) -> Iterator[tuple[int, bytes]]:
         """Wait until ``buffer`` is ready for ``round_id`` (0: now), then yield its chunks.
 
-        Chunks are (element offset, raw bytes in the ``wire`` encoding).
+        Chunks are (element offset, raw bytes in the ``wire`` encoding); with ``views``, a
+        memoryview of the buffer (or of a staging buffer reused for the next chunk) instead of
+        a copy: the caller sends it before it asks for the next.
         """
         dtype = _wire_dtype(wire)
         steady_heap()
@@ -408,7 +410,7 @@ class ParamStore(DeltaMixin, SavedParams):
             if stage is not None:  # encode (bfloat16: rounded to nearest even)
                 np.copyto(stage[: part.size], part, casting="unsafe")
                 part = stage[: part.size]
-            yield lo, part.tobytes()
+            yield lo, (memoryview(part.view(np.uint8)) if views else part.tobytes())
         if not round_id and version is not None and self.versions[buffer] != version:
             raise ParamError("ABORTED", f"{buffer} changed during the download; try again")
         if round_id and (self.exchange is None or self.exchange.round_id != round_id):

@@ -30,6 +30,7 @@ from ..status.http import start_status_page
 from ..wire import GRPC_OPTIONS
 from .admission import Admission, Limits
 from .aio_session import SessionServer
+from .bulk import BulkServer
 from .coordinator import Coordinator, Schedule
 from .journal import Journal
 from .buffers import CENTER
@@ -75,16 +76,19 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
 
 
 class GlobalServers:
-    """The global server's gRPC servers: the synchronous one (every call) and, where asked, the
-    asyncio one of the ``Session`` streams (``aio_session.py``). ``stop`` stops both; anything
-    else is the synchronous server's."""
+    """The global server's servers: the synchronous gRPC one (every call) and, where asked, the
+    asyncio one of the ``Session`` streams (``aio_session.py``) and the bulk port
+    (``bulk.py``). ``stop`` stops them all; anything else is the synchronous server's."""
 
-    def __init__(self, server: grpc.Server, sessions: SessionServer | None) -> None:
-        self.server, self.sessions = server, sessions
+    def __init__(self, server: grpc.Server, sessions: SessionServer | None,
+                 bulk: BulkServer | None = None) -> None:
+        self.server, self.sessions, self.bulk = server, sessions, bulk
 
     def stop(self, grace: float | None) -> threading.Event:
         if self.sessions is not None:
             self.sessions.stop(grace or 0.0)
+        if self.bulk is not None:
+            self.bulk.stop()
         return self.server.stop(grace)
 
     def __getattr__(self, name: str) -> object:
@@ -93,7 +97,8 @@ class GlobalServers:
 
 def create_server(address: str, servicer: GlobalServicer, security: Security | None = None,
                   limits: Limits | None = None,
-                  session_address: str | None = None) -> tuple[GlobalServers, int]:
+                  session_address: str | None = None,
+                  bulk_address: str | None = None) -> tuple[GlobalServers, int]:
     """Create and start a gRPC server on ``address`` ("host:port"); returns (server, port).
 
     With ``security``, calls must be signed with its secret (and, under mutual TLS, come from
@@ -107,12 +112,21 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
 
     With ``session_address``, the nodes' ``Session`` streams get an asyncio server there too
     (``aio_session.py``); Join answers tell the nodes its port (``servicer.session_port``).
+    With ``bulk_address``, parameter uploads and downloads also have a bulk port there
+    (``bulk.py``; ``servicer.bulk_port``). Never under TLS: its connections are not encrypted.
     """
     security = security or Security()
     limits = limits or Limits.for_job(servicer.coord.num_groups, servicer.round_timeout)
     servicer.admission = Admission(limits)
     checks = security.server_interceptors()
-    sessions = None
+    sessions = bulk = None
+    if bulk_address is not None and security.ca is None:
+        bulk = BulkServer(servicer, security.secret, limits)
+        try:
+            servicer.bulk_port = bulk.start(bulk_address)
+        except OSError as exc:
+            raise OSError(f"{exc} (BULK_PORT, the nodes' parameter transfers; empty: PORT+3); "
+                          "set BULK_PORT to a free port, or 0 to move them on PORT") from None
     if session_address is not None:  # first: a port it cannot have leaves nothing bound
         # one nonce memory for both ports: a signed opening is not replayed on the other
         sessions = SessionServer(servicer, limits, security, checks[0].verifier)
@@ -120,6 +134,9 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
             servicer.session_port = sessions.start(session_address)
         except OSError as exc:
             sessions.stop(0)
+            if bulk is not None:
+                bulk.stop()
+                servicer.bulk_port = 0
             raise OSError(f"{exc} (SESSION_PORT, the nodes' session streams; empty: PORT+2); "
                           "set SESSION_PORT to a free port, or 0 to serve them on PORT") from None
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=limits.threads,
@@ -144,9 +161,12 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
         if sessions is not None:
             sessions.stop(0)
             servicer.session_port = 0
+        if bulk is not None:
+            bulk.stop()
+            servicer.bulk_port = 0
         raise
     server.start()
-    return GlobalServers(server, sessions), port
+    return GlobalServers(server, sessions, bulk), port
 
 
 def serve(config: JobConfig, ready: "object | None" = None, stop_event: threading.Event | None = None,
@@ -196,19 +216,25 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     servicer.journal = journal.write
     bind = "127.0.0.1" if is_loopback(config.ip_addr) else "0.0.0.0"
     try:
-        session = config.session_address
-        try:
-            server, port = create_server(f"{bind}:{config.port}", servicer, security=security,
-                                         session_address=None if session is None
-                                         else f"{bind}:{session}")
-        except OSError as exc:
-            if not (restore and session is not None and "SESSION_PORT" in str(exc)):
-                raise
-            # A restart mid-job: the nodes are waiting; the session streams can go to PORT
-            # (every node falls back to it when the session port does not answer).
-            log.warning("%s; this restarted server serves the nodes' session streams on PORT",
-                        exc)
-            server, port = create_server(f"{bind}:{config.port}", servicer, security=security)
+        session, bulk_at = config.session_address, config.bulk_address
+        ports = {"session_address": None if session is None else f"{bind}:{session}",
+                 "bulk_address": None if bulk_at is None else f"{bind}:{bulk_at}"}
+        while True:
+            try:
+                server, port = create_server(f"{bind}:{config.port}", servicer,
+                                             security=security, **ports)
+                break
+            except OSError as exc:
+                taken = next((k for k, name in (("session_address", "SESSION_PORT"),
+                                                ("bulk_address", "BULK_PORT"))
+                              if ports[k] is not None and name in str(exc)), None)
+                if not restore or taken is None:
+                    raise
+                # A restart mid-job: the nodes are waiting; what that port carries can go to
+                # PORT (every node falls back to it when the port does not answer).
+                log.warning("%s; this restarted server goes on without it (the nodes use PORT)",
+                            exc)
+                ports[taken] = None
     except OSError as exc:
         if ready is not None:
             ready.send(("error", str(exc)))
@@ -216,8 +242,9 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
         return 1
     write_atomic(out.parent / "global.port", f"{port}\n")
     write_atomic(out / "server.pid", f"{os.getpid()}\n")
-    log.info("global server listening on %s:%d (job %s)%s", bind, port, config.job_id,
-             f"; session streams on port {servicer.session_port}" if servicer.session_port else "")
+    log.info("global server listening on %s:%d (job %s)%s%s", bind, port, config.job_id,
+             f"; session streams on port {servicer.session_port}" if servicer.session_port else "",
+             f"; bulk transfers on port {servicer.bulk_port}" if servicer.bulk_port else "")
     servicer.board.restarts = _count_restarts(out, restore)
     page = start_status_page(config, servicer, security.secret if security else None, out,
                              restore=restore)
@@ -270,6 +297,9 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
                                           "parameter_bytes": {"in": bytes_in, "out": bytes_out},
                                           "calls": dict(servicer.calls.counts),
                                           "session_port": servicer.session_port,
+                                          "bulk_port": servicer.bulk_port,
+                                          "bulk_transfers": None if server.bulk is None
+                                          else server.bulk.counts(),
                                           "refused": dict(servicer.admission.refused),
                                           "cancelled": dict(servicer.admission.cancelled),
                                           "rule_failures": servicer.params.rule_failures,

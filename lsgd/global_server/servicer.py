@@ -89,6 +89,7 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
         # The asyncio Session server's news: called (lock held) whenever polls should wake.
         self.on_news: Callable[[bool], None] | None = None
         self.session_port = 0  # where nodes open their Session streams (0: this server's port)
+        self.bulk_port = 0  # where nodes move parameter vectors (0: on gRPC only; bulk.py)
 
     def state_dump(self) -> dict:
         """The coordinator's state, numbered (lock held)."""
@@ -263,7 +264,8 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
             return pb.JoinResponse(session=node.session, seed_center=not self.params.center_ready,
                                    counter=self.coord.done, epoch=self.epoch,
                                    round_id=node.last_round_seen,
-                                   session_port=self.session_port)
+                                   session_port=self.session_port,
+                                   bulk_port=self.bulk_port)
 
         return self._call(context, join)
 

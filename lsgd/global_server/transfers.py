@@ -101,17 +101,6 @@ class TransferRPCs:
         first = next(request_iterator, None)
         if first is None or not first.HasField("header"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "an upload starts with a header")
-        h = first.header
-        buffer = BUFFERS.get(h.buffer)
-        if buffer is None or buffer == AVERAGE:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot upload buffer {h.buffer}")
-        wire = WIRES.get(h.wire_format)
-        if wire is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown wire format {h.wire_format}")
-        self._call(context, lambda: (self._check(h.node),
-                                     self.coord.heartbeat(h.node.node_index, h.node.session,
-                                                          self.clock())))
-
         received = 0
 
         def chunks() -> Iterator[tuple[int, bytes]]:
@@ -123,27 +112,72 @@ class TransferRPCs:
                 yield req.chunk.offset, req.chunk.data
 
         try:
+            self.take_upload(first.header, chunks(), context)
+        finally:
+            self.stats.moved(received=received)
+        return pb.PushParamsResponse()
+
+    @staticmethod
+    def wire_name(code: int) -> str | None:
+        return WIRES.get(code)
+
+    def take_upload(self, h: pb.PushHeader, chunks: Iterator[tuple[int, bytes]],
+                    context: grpc.ServicerContext) -> None:
+        """An upload of ``h.buffer`` whose chunks (offset, raw bytes) come from ``chunks``:
+        checked, then taken into the store (``PushParams``, or the bulk port's)."""
+        buffer = BUFFERS.get(h.buffer)
+        if buffer is None or buffer == AVERAGE:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot upload buffer {h.buffer}")
+        wire = WIRES.get(h.wire_format)
+        if wire is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown wire format {h.wire_format}")
+        self._call(context, lambda: (self._check(h.node),
+                                     self.coord.heartbeat(h.node.node_index, h.node.session,
+                                                          self.clock())))
+        try:
             if buffer == MAIL:
-                self._post_mail(h, chunks(), wire)
+                self._post_mail(h, chunks, wire)
             elif buffer == DELTA:
                 if self.params.rule.synchronous:
                     raise ParamError("FAILED_PRECONDITION", f"rule {self.params.rule.name} is "
                                      "synchronous: it takes no center deltas")
                 self.params.push_delta(h.node.node_index, h.node.session, h.round_id,
-                                       h.param_count, chunks(), _wire_dtype(wire))
+                                       h.param_count, chunks, _wire_dtype(wire))
             else:
                 self.params.push(h.node.node_index, h.round_id, buffer, h.param_count,
-                                 h.summands, chunks(), wire=wire, weight=h.weight)
+                                 h.summands, chunks, wire=wire, weight=h.weight)
         except ParamError as exc:
             _abort(context, exc)
-        finally:
-            self.stats.moved(received=received)
-        return pb.PushParamsResponse()
 
     def PullParams(self, request: pb.PullParamsRequest,
                    context: grpc.ServicerContext) -> Iterator[pb.ParamChunk]:
+        chunk = request.chunk_elements or DEFAULT_CHUNK
+        if BUFFERS.get(request.buffer) == MAIL:
+            if not 1 <= chunk <= MAX_CHUNK:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
+            self._call(context, lambda: (self._check(request.node),
+                                         self.coord.heartbeat(request.node.node_index,
+                                                              request.node.session, self.clock())))
+            yield from self._deliver_mail(request, chunk, context)
+            return
+        sent = 0
+        try:
+            for offset, data in self.give_download(request, chunk, context)[2]:
+                yield pb.ParamChunk(offset=offset, data=data)
+                sent += len(data)
+        finally:
+            self.stats.moved(sent=sent)
+
+    def give_download(self, request: pb.PullParamsRequest, chunk: int,
+                      context: grpc.ServicerContext,
+                      views: bool = False) -> tuple[int, int, Iterator[tuple[int, bytes]]]:
+        """A download of ``request.buffer`` (not mail), checked now: (elements, bytes per
+        element on the wire, the chunks). The chunks wait until the buffer is ready for the
+        round; a refusal then is ``context.abort`` too. ``views``: chunks are views of the
+        server's buffer (sent at once, before the next is asked for), not copies."""
         buffer = BUFFERS.get(request.buffer)
-        if buffer not in PULLABLE:
+        if buffer not in PULLABLE or buffer == MAIL:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot download buffer {request.buffer}")
         wire = WIRES.get(request.wire_format)
         if wire is None:
@@ -152,23 +186,22 @@ class TransferRPCs:
         self._call(context, lambda: (self._check(request.node),
                                      self.coord.heartbeat(request.node.node_index,
                                                           request.node.session, self.clock())))
-        chunk = request.chunk_elements or DEFAULT_CHUNK
         if not 1 <= chunk <= MAX_CHUNK:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
-        if buffer == MAIL:
-            yield from self._deliver_mail(request, chunk, context)
-            return
-        sent = 0
-        try:
-            for offset, data in self.params.pull(request.round_id, buffer, chunk,
-                                                 timeout=self.round_timeout, wire=wire):
-                yield pb.ParamChunk(offset=offset, data=data)
-                sent += len(data)
-        except ParamError as exc:
-            _abort(context, exc)
-        finally:
-            self.stats.moved(sent=sent)
+        count = self.params.param_count
+        if count is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the job's model size is not "
+                          "known yet (node 0 has not joined)")
+
+        def chunks() -> Iterator[tuple[int, bytes]]:
+            try:
+                yield from self.params.pull(request.round_id, buffer, chunk,
+                                            timeout=self.round_timeout, wire=wire, views=views)
+            except ParamError as exc:
+                _abort(context, exc)
+
+        return count, _wire_dtype(wire).itemsize, chunks()
 
     def _post_mail(self, h: pb.PushHeader, chunks, wire: str) -> None:
         """A gossip rule's mail for a random other node (``mail.py``)."""

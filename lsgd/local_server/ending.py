@@ -97,6 +97,8 @@ class EndingMixin:
                                          "skipped": self.evaluator.skipped,
                                          "exit_code": self.evaluator.proc.exitcode}
         self.summary["resets"] = self.resets
+        # parameter transfers with the global server: on its bulk port, or as gRPC streams
+        self.summary["transfers"] = dict(self.client.transfers.moved)
         self.summary["repeated_warnings"] = self.repeats.flush()
         self.summary["respawns"] = {w.worker_id: w.respawns for w in self.workers if w.respawns}
         self.summary["worker_exit_codes"] = {w.worker_id: w.proc.exitcode for w in self.workers}

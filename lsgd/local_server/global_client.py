@@ -1,8 +1,8 @@
 """The local server's gRPC client to the global server.
 
 Translates between protobuf and plain values, sets a deadline on every call, retries the first
-connection with backoff for ``connect_timeout`` seconds, and streams parameter vectors between
-node shared memory and the server in raw float32 chunks (no full-size copies).
+connection with backoff for ``connect_timeout`` seconds. Parameter vectors move between node
+shared memory and the server through ``transfer_client.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import math
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable
 
 import grpc
 import numpy as np
@@ -22,22 +22,15 @@ from ..proto import lsgd_pb2 as pb
 from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import Security
 from ..signing import derive_key
-from ..wire import GRPC_OPTIONS, aligned_empty, steady_heap, wire_dtype
+from ..wire import GRPC_OPTIONS
 from .session_stream import SessionStream
+from .transfer_client import ParamTransfers
 
 log = logging.getLogger(__name__)
 
-# Elements per chunk (512 KiB of float32): chunks stay in cache through their few copies, and
-# 200 messages per 100 MB keep the per-message cost of gRPC small (bench/params.py).
-CHUNK = 1 << 17  # upload
-PULL_CHUNK = 1 << 17  # download, asked of the server
 RPC_TIMEOUT = 10.0  # seconds for short calls
 PORT_PROBE = 3.0  # seconds a node gives the server's session port to connect, once per server
 CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.enable_retries", 0)]  # retries are ours, explicit
-WIRE_FORMATS = {"float32": pb.WIRE_FORMAT_UNSPECIFIED, "bfloat16": pb.WIRE_FORMAT_BFLOAT16}
-BUFFER_KINDS = {"global_leader": pb.BUFFER_KIND_GLOBAL_LEADER, "center": pb.BUFFER_KIND_CENTER,
-                "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE,
-                "center_delta": pb.BUFFER_KIND_CENTER_DELTA, "mail": pb.BUFFER_KIND_MAIL}
 
 
 class GlobalUnreachable(RuntimeError):
@@ -112,6 +105,8 @@ class GlobalClient:
         self._session_channel: grpc.Channel | None = None
         self._session_stub: pb_grpc.GlobalServerStub | None = None
         self._unreachable = (0, 0)  # (server epoch, session port) that did not answer
+        self.transfers = ParamTransfers(self._channel, self._md, security.secret, address,
+                                        node_index, lambda: self.round_timeout + RPC_TIMEOUT)
 
     def close(self) -> None:
         self._end_stream()
@@ -244,6 +239,7 @@ class GlobalClient:
                         with self._stream_lock:
                             self._use_session_port(0)
                 self.session, self.epoch, self._join_seq = resp.session, resp.epoch, 0
+                self.transfers.use_bulk_port(resp.epoch, resp.bulk_port)
                 self._end_stream()  # the next call opens a stream on this attachment
                 return resp
             except grpc.RpcError as exc:
@@ -343,85 +339,21 @@ class GlobalClient:
                                 timeout=timeout, metadata=self._md).counter
 
     # ------------------------------------------------------------------ parameters
-    # Chunks travel as hand-encoded protobuf bytes (the wire format of lsgd.proto, unchanged):
-    # an upload copies each slice of shared memory once, into the message; a download copies
-    # each message's payload once, into ``out``. No protobuf objects, no full-size buffers.
     def push(self, buffer: str, vec: np.ndarray, round_id: int, summands: int = 0,
              wire: str = "float32", weight: float = 0.0) -> None:
         """Upload ``vec`` (a flat float32 view) as the node's ``buffer`` for ``round_id``.
 
         ``wire="bfloat16"`` sends half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
+        On the server's bulk port when it has one, else a gRPC stream (``transfer_client.py``).
         """
-        dtype = wire_dtype(wire)
-        steady_heap()
-        if vec.ndim != 1:
-            raise ValueError(f"push needs a flat vector, got shape {vec.shape}")
-        header = pb.PushHeader(node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer],
-                               param_count=vec.size, summands=summands,
-                               wire_format=WIRE_FORMATS[wire], weight=weight)
-        stage = None if dtype == vec.dtype else aligned_empty(min(CHUNK, vec.size), dtype)
-
-        def requests() -> Iterator[bytes]:
-            yield pb.PushParamsRequest(header=header).SerializeToString()
-            for lo in range(0, vec.size, CHUNK):
-                src = vec[lo : lo + CHUNK]
-                if stage is not None:  # convert (bfloat16, or another dtype) chunk by chunk
-                    src = stage[: src.size]
-                    np.copyto(src, vec[lo : lo + src.size], casting="unsafe")
-                elif not src.flags.c_contiguous:
-                    src = np.ascontiguousarray(src)
-                data = src.view(np.uint8)  # raw bytes (also for dtypes without a buffer format)
-                inner = b"\x08" + _varint(lo) + b"\x12" + _varint(data.nbytes)
-                # PushParamsRequest.chunk (field 2) = ParamChunk{offset (1), data (2)}
-                yield b"".join((b"\x12", _varint(len(inner) + data.nbytes), inner, data))
-
-        call = getattr(self, "_raw_push", None)  # the raw-bytes call, made on first use
-        if call is None:
-            call = self._raw_push = self._channel.stream_unary(
-                "/lsgd.v1.GlobalServer/PushParams", request_serializer=None,
-                response_deserializer=pb.PushParamsResponse.FromString)
-        call(requests(), timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
+        self.transfers.push(self._node(), buffer, vec, round_id, summands, wire, weight)
 
     def pull(self, buffer: str, out: np.ndarray, round_id: int, wire: str = "float32") -> None:
         """Download the server's ``buffer`` for ``round_id`` into ``out`` (a flat float32 view).
 
         ``wire="bfloat16"`` receives half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
         """
-        dtype = wire_dtype(wire)
-        steady_heap()
-        if out.ndim != 1:
-            raise ValueError(f"pull needs a flat vector, got shape {out.shape}")
-        raw = out.dtype == dtype and out.dtype.isnative and out.flags.c_contiguous
-        dst = out.view(np.uint8) if raw else out
-        call = getattr(self, "_raw_pull", None)
-        if call is None:
-            call = self._raw_pull = self._channel.unary_stream(
-                "/lsgd.v1.GlobalServer/PullParams",
-                request_serializer=pb.PullParamsRequest.SerializeToString,
-                response_deserializer=None)
-        stream = call(pb.PullParamsRequest(node=self._node(), round_id=round_id,
-                                           buffer=BUFFER_KINDS[buffer], chunk_elements=PULL_CHUNK,
-                                           wire_format=WIRE_FORMATS[wire]),
-                      timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
-        pos = 0
-        try:
-            for msg in stream:
-                offset, start, nbytes = _parse_chunk(msg)
-                n = nbytes // dtype.itemsize
-                if offset != pos or nbytes % dtype.itemsize or pos + n > out.size:
-                    raise ValueError(f"bad chunk at {offset} ({nbytes} bytes of {wire}) for a "
-                                     f"vector of {out.size} at {pos}")
-                if raw:  # a byte copy: the payload need not be aligned to 4 bytes
-                    s = pos * dtype.itemsize
-                    dst[s : s + nbytes] = np.frombuffer(msg, np.uint8, nbytes, start)
-                else:
-                    np.copyto(out[pos : pos + n], np.frombuffer(msg, dtype, n, start),
-                              casting="unsafe")
-                pos += n
-        finally:
-            stream.cancel()  # no-op once complete; stops the server early on a bad chunk
-        if pos != out.size:
-            raise ValueError(f"download of {buffer} ended at {pos} of {out.size} elements")
+        self.transfers.pull(self._node(), buffer, out, round_id, wire)
 
     def push_mail(self, vec: np.ndarray, number: int, weight: float) -> None:
         """Send a gossip rule's mail ``number`` (``vec`` = sum of weight * x) to a random
@@ -431,82 +363,4 @@ class GlobalClient:
     def pull_mail(self, number: int, out: np.ndarray) -> float:
         """Delivery ``number`` of this node's mail into ``out``; returns its weight (0: no
         mail, ``out`` untouched)."""
-        stream = self._stub.PullParams(
-            pb.PullParamsRequest(node=self._node(), round_id=number, buffer=pb.BUFFER_KIND_MAIL,
-                                 chunk_elements=PULL_CHUNK),
-            timeout=self.round_timeout + RPC_TIMEOUT, metadata=self._md)
-        pos, weight = 0, None
-        try:
-            for chunk in stream:
-                if weight is None:
-                    weight = chunk.weight
-                    if weight == 0.0:
-                        return 0.0
-                n = len(chunk.data) // 4
-                if chunk.offset != pos or len(chunk.data) % 4 or pos + n > out.size:
-                    raise ValueError(f"bad mail chunk at {chunk.offset} for {out.size} at {pos}")
-                out[pos : pos + n] = np.frombuffer(chunk.data, "<f4")
-                pos += n
-        finally:
-            stream.cancel()
-        # (a weight, not a share: the job's weights sum to 1 only until a node is lost)
-        if weight is None or pos != out.size or not (0.0 < weight < math.inf):
-            raise ValueError(f"mail delivery {number} ended at {pos} of {out.size} elements "
-                             f"(weight {weight})")
-        if not np.isfinite(out).all():
-            raise ValueError(f"mail delivery {number} has non-finite values")
-        return weight
-
-
-def _varint(v: int) -> bytes:
-    """Protobuf base-128 varint."""
-    if v < 0x80:
-        return bytes((v,))
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
-def _read_varint(b: bytes, i: int) -> tuple[int, int]:
-    v = shift = 0
-    while True:
-        if i >= len(b) or shift > 63:
-            raise ValueError("truncated or invalid varint in a parameter chunk")
-        c = b[i]
-        i += 1
-        v |= (c & 0x7F) << shift
-        if c < 0x80:
-            return v, i
-        shift += 7
-
-
-def _parse_chunk(msg: bytes) -> tuple[int, int, int]:
-    """(offset, payload start, payload bytes) of a serialized ``ParamChunk``; skips unknown fields."""
-    offset, start, nbytes = 0, 0, 0
-    i = 0
-    while i < len(msg):
-        key, i = _read_varint(msg, i)
-        field, kind = key >> 3, key & 7
-        if kind == 0:
-            v, i = _read_varint(msg, i)
-            if field == 1:
-                offset = v
-        elif kind == 2:
-            n, i = _read_varint(msg, i)
-            if i + n > len(msg):
-                raise ValueError("truncated parameter chunk")
-            if field == 2:
-                start, nbytes = i, n
-            i += n
-        elif kind == 1:
-            i += 8
-        elif kind == 5:
-            i += 4
-        else:
-            raise ValueError(f"unexpected wire type {kind} in a parameter chunk")
-    if i != len(msg):
-        raise ValueError("truncated parameter chunk")
-    return offset, start, nbytes
+        return self.transfers.pull_mail(self._node(), number, out)

@@ -125,9 +125,9 @@ class _Channel:
         self._poller: select.poll | None = None
         sock.setblocking(False)
 
-    def keyed(self, nonce: bytes) -> None:
+    def keyed(self, nonce: bytes, label: bytes = b"lsgd-data-v2") -> None:
         if self.secret is not None:
-            root = hmac.new(self.secret, b"lsgd-data-v2" + nonce, hashlib.sha256).digest()
+            root = hmac.new(self.secret, label + nonce, hashlib.sha256).digest()
             self.key = hmac.new(root, b"messages", hashlib.sha256).digest()
             self.gmac = AESGCM(hmac.new(root, b"chunks", hashlib.sha256).digest())
 

@@ -83,20 +83,22 @@ class JoinRequest(_message.Message):
     def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., num_workers: _Optional[int] = ..., param_count: _Optional[int] = ..., algorithm: _Optional[str] = ..., num_groups: _Optional[int] = ..., resume_session: _Optional[int] = ..., held_credits: _Optional[int] = ..., unreported: _Optional[int] = ..., seq: _Optional[int] = ..., unanswered_seq: _Optional[int] = ..., unanswered_steps: _Optional[int] = ..., replaces_session: _Optional[int] = ..., data_address: _Optional[str] = ...) -> None: ...
 
 class JoinResponse(_message.Message):
-    __slots__ = ("session", "seed_center", "counter", "epoch", "round_id", "session_port")
+    __slots__ = ("session", "seed_center", "counter", "epoch", "round_id", "session_port", "bulk_port")
     SESSION_FIELD_NUMBER: _ClassVar[int]
     SEED_CENTER_FIELD_NUMBER: _ClassVar[int]
     COUNTER_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     session: int
     seed_center: bool
     counter: int
     epoch: int
     round_id: int
     session_port: int
-    def __init__(self, session: _Optional[int] = ..., seed_center: _Optional[bool] = ..., counter: _Optional[int] = ..., epoch: _Optional[int] = ..., round_id: _Optional[int] = ..., session_port: _Optional[int] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, session: _Optional[int] = ..., seed_center: _Optional[bool] = ..., counter: _Optional[int] = ..., epoch: _Optional[int] = ..., round_id: _Optional[int] = ..., session_port: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node", "report")

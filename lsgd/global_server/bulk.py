@@ -1,0 +1,188 @@
+"""The global server's bulk port (``BULK_PORT``, default ``PORT+3``): the nodes' uploads and
+downloads of parameter vectors on data connections (``lsgd/plane/bulk.py``) instead of gRPC
+streams, at the speed of a plain socket.
+
+A connection carries one transfer, which goes through the servicer's own checks and buffers
+(``TransferRPCs.take_upload`` / ``give_download``: the same node, session and round checks, the
+same ``ParamStore``), so a node sees the same answers on either path. Admission: at most
+``Limits.streams`` connections at once and ``Limits.pending_per_host`` from one host (more are
+closed at once: the node makes the gRPC call instead); a connection must say its request within
+``AUTH_WAIT`` and make progress every ``Limits.idle`` seconds, and lives at most
+``Limits.lifetime``. With a job secret only its holders are served (``plane/bulk.py``); the
+port is off under TLS (its connections are authenticated, not encrypted).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from ..plane import bulk
+from ..plane.wire import TransferError
+from ..proto import lsgd_pb2 as pb
+from .admission import Limits
+from .session import Refused
+
+if TYPE_CHECKING:
+    from .servicer import GlobalServicer
+
+log = logging.getLogger(__name__)
+ITEM = {"float32": 4, "bfloat16": 2}
+
+
+class _Context:
+    """What the servicer's checks see of a bulk transfer: ``abort`` refuses it."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise Refused(code, details)
+
+    def is_active(self) -> bool:
+        return True
+
+    def peer(self) -> str:
+        return self._peer
+
+
+def _status(exc: Refused) -> bulk.BulkStatus:
+    return bulk.BulkStatus(exc.code.value[0], exc.details)
+
+
+class BulkServer:
+    """The listener and its connections (``start`` / ``stop`` from any thread)."""
+
+    def __init__(self, servicer: "GlobalServicer", secret: str | None, limits: Limits) -> None:
+        self.servicer, self.limits = servicer, limits
+        self.secret = secret.encode() if secret else None
+        self.sock: socket.socket | None = None
+        self.port = 0
+        self._lock = threading.Lock()
+        self._hosts: Counter[str] = Counter()
+        self._open: set[socket.socket] = set()
+        self._stopped = False
+        self._thread: threading.Thread | None = None
+        # uploads and downloads completed, refused (a status other than OK: the node was
+        # told), broken (the connection failed, or was forged or too slow: closed), and
+        # connections turned away at once (too many)
+        self.served = {"upload": 0, "download": 0, "refused": 0, "broken": 0, "turned_away": 0}
+
+    def counts(self) -> dict[str, int]:
+        """What the port did (see ``served``)."""
+        with self._lock:
+            return dict(self.served)
+
+    def start(self, address: str) -> int:
+        """Listen on ``address`` ("host:port"); returns the port. OSError when it is taken."""
+        host, port = address.rsplit(":", 1)
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.sock = socket.create_server((host, int(port)), family=family, backlog=128)
+        self.sock.settimeout(0.5)
+        self.port = self.sock.getsockname()[1]
+        self._thread = threading.Thread(target=self._accept, name="lsgd-bulk", daemon=True)
+        self._thread.start()
+        return self.port
+
+    def stop(self) -> None:
+        """Close the port and end the transfers in progress."""
+        with self._lock:
+            self._stopped = True
+            for s in self._open:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        if self.sock is not None:
+            self.sock.close()
+        if self._thread is not None:
+            self._thread.join(2.0)
+
+    def _accept(self) -> None:
+        assert self.sock is not None
+        while not self._stopped:
+            try:
+                conn, peer = self.sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return  # closed
+            host = peer[0]
+            with self._lock:
+                busy = (self._stopped or len(self._open) >= self.limits.streams
+                        or self._hosts[host] >= self.limits.pending_per_host)
+                if not busy:
+                    self._open.add(conn)
+                    self._hosts[host] += 1
+                else:
+                    self.served["turned_away"] += 1
+            if busy:
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn, host), name="lsgd-bulk-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket, host: str) -> None:
+        handler = _Handler(self.servicer, f"bulk:{host}")
+        outcome = "broken"  # (anything else that ends the thread)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            bulk.serve(conn, self.secret, self.limits.lifetime, handler, stall=self.limits.idle)
+            outcome = handler.done or "refused"
+        except (TransferError, OSError) as exc:
+            log.debug("a bulk transfer from %s ended: %s", host, exc)
+        except Exception:  # noqa: BLE001 - a bug here must not end the listener's thread
+            log.exception("a bulk transfer from %s failed", host)
+        finally:
+            conn.close()
+            with self._lock:
+                self.served[outcome] += 1
+                self._open.discard(conn)
+                self._hosts[host] -= 1
+                if not self._hosts[host]:
+                    del self._hosts[host]
+
+
+class _Handler:
+    """One connection's transfer, through the servicer's own checks and buffers."""
+
+    def __init__(self, servicer: "GlobalServicer", peer: str) -> None:
+        self.servicer, self.context = servicer, _Context(peer)
+        self.done = ""  # "upload" or "download" once the transfer went through whole
+
+    def __call__(self, req: bulk.Request) -> "tuple[int, int, bulk.Chunks] | None":
+        s = self.servicer
+        try:
+            if req.kind == bulk.UPLOAD:
+                h = pb.PushHeader.FromString(req.body)
+                item = ITEM.get(s.wire_name(h.wire_format) or "", 4)
+                try:
+                    s.take_upload(h, req.reader(h.param_count, item), self.context)
+                finally:
+                    s.stats.moved(received=req.moved)
+                self.done = "upload"
+                return None
+            request = pb.PullParamsRequest.FromString(req.body)
+            count, item, chunks = s.give_download(request, req.chunk, self.context)
+            return count, item, self._sent(chunks, req)
+        except DecodeError:
+            raise bulk.BulkStatus(grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                                  "the request does not parse") from None
+        except Refused as exc:
+            raise _status(exc) from None
+
+    def _sent(self, chunks: bulk.Chunks, req: bulk.Request) -> bulk.Chunks:
+        try:
+            yield from chunks
+            self.done = "download"
+        except Refused as exc:
+            raise _status(exc) from None
+        finally:
+            self.servicer.stats.moved(sent=req.moved)
