@@ -51,6 +51,7 @@ NBYTES = N * 4  # 100 MB
 GB, MB = 1e9, 1e6
 GOAL_GBPS, GOAL_TCP_FRACTION, GOAL_MEM_MB = 1.0, 0.40, 64.0
 PLANE_GOAL = 0.8  # issue 15: bulk transfers node to node at >= 0.8x a plain TCP socket
+BENCH_SECRET = "bench secret of 32 characters!!"
 
 # ---------------------------------------------------------------------------- TCP baseline
 _TCP_RECEIVER = r"""
@@ -166,9 +167,11 @@ class PeakSampler:
 
 # ---------------------------------------------------------------------------- gRPC path
 def start_server(run_dir: str, algorithm: str = "lsgd", workers: int = 1,
-                 **knobs: Any) -> tuple[mp.Process, int]:
+                 secret: str | None = None, **knobs: Any) -> tuple[mp.Process, int]:
     """The real global server process (two nodes of ``workers`` workers, a global round every
-    step); ``knobs``: more ``JobConfig`` fields."""
+    step), with the job ``secret`` if given; ``knobs``: more ``JobConfig`` fields."""
+    from lsgd.security import Security
+
     from lsgd.config import JobConfig
     from lsgd.global_server.server import process_main
 
@@ -177,7 +180,8 @@ def start_server(run_dir: str, algorithm: str = "lsgd", workers: int = 1,
                        round_timeout=30.0, node_timeout=30.0, **knobs)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=process_main, args=(config, child, logging.WARNING),
+    proc = ctx.Process(target=process_main, args=(config, child, logging.WARNING,
+                                                  Security(secret=secret) if secret else None),
                        name="lsgd-global-bench", daemon=True)
     proc.start()
     child.close()
@@ -384,10 +388,11 @@ def data_connection_rounds(src: np.ndarray, reps: int, secret: str | None) -> li
 def measure(quick: bool) -> dict[str, Any]:
     from lsgd.local_server.global_client import GlobalClient
     from lsgd.local_server.store import NodeStore, StoreLayout
+    from lsgd.security import Security
 
     rounds = 5 if quick else 11
     batches = 2 if quick else 4  # of 3 data-connection transfers each way, between TCP sends
-    tcp_reps = 4 + 4 * batches
+    tcp_reps = 4 + 5 * batches
     out: dict[str, Any] = {"rounds": rounds}
     run_dir = tempfile.mkdtemp(prefix="lsgd-bench-params-")
     layout = StoreLayout.new("bench", 0, N, slots=1, buffers=("global_leader",))
@@ -446,13 +451,34 @@ def measure(quick: bool) -> dict[str, Any]:
         path(True)
         out["bulk"]["memory"] = memory_round(node, src, dst, proc.pid, "float32")
         out["bulk_moved"] = dict(clients[0].transfers.moved)
+        # the bulk port of a job with a secret (a MAC per chunk), on a server of its own
+        for c in clients:
+            c.close()
+        clients.clear()
+        stop_server(proc)
+        proc, port = start_server(run_dir, secret=BENCH_SECRET)
+        security = Security(secret=BENCH_SECRET)
+        for i in range(2):
+            clients.append(GlobalClient(f"127.0.0.1:{port}", "bench", i, round_timeout=30.0,
+                                        security=security))
+            clients[i].join(workers=1, param_count=N, algorithm="lsgd", num_groups=2,
+                            connect_timeout=20)
+        node = Node(clients)
+        out["bulk_mac"] = {"push_s": [], "pull_s": []}
+        for _ in range(batches):
+            got = grpc_rounds(node, src, dst, 3, "float32")
+            out["bulk_mac"]["push_s"] += got["push_s"]
+            out["bulk_mac"]["pull_s"] += got["pull_s"]
+            tcp.send()
+        if clients[0].transfers.moved["grpc"]:
+            raise RuntimeError(f"transfers went over gRPC: {clients[0].transfers.moved}")
         # the data connection's rounds interleaved with the baseline's (loopback speed drifts
         # with the host's other load: a block measured apart from its baseline misleads)
         out["plane_s"], out["plane_mac_s"] = [], []
         for _ in range(batches):
             out["plane_s"] += data_connection_rounds(src, 3, None)
             tcp.send()
-            out["plane_mac_s"] += data_connection_rounds(src, 3, "bench secret of 32 characters!!")
+            out["plane_mac_s"] += data_connection_rounds(src, 3, BENCH_SECRET)
             tcp.send()
         out["tcp_s"] = tcp.times
     finally:
@@ -500,6 +526,14 @@ def run(quick: bool) -> list[Result]:
                    "peak_extra_mb": {side: round(m["bulk"]["memory"][f"{side}_{way}"] / MB, 1)
                                      for side in ("client", "server")},
                    "transfers": m["bulk_moved"]}))
+        mac = NBYTES / statistics.median(m["bulk_mac"][key]) / GB
+        results.append(Result(
+            TARGET, f"{way} 100 MB float32 on the bulk port, job secret (a MAC per chunk)",
+            round(mac, 3), "GB/s", baseline=round(tcp, 3),
+            baseline_name="plain TCP socket, 100 MB sendall/recv_into",
+            ratio=round(mac / tcp, 3), ratio_note="value / baseline",
+            goal=f">= {PLANE_GOAL:.0%} of TCP (issue 15)", met=mac / tcp >= PLANE_GOAL,
+            extra={"seconds": [round(x, 4) for x in m["bulk_mac"][key]]}))
     for key, what in (("plane_s", "no secret (a loopback job)"),
                       ("plane_mac_s", "job secret: a MAC per chunk (AES-GMAC of its bytes)")):
         gbps = NBYTES / statistics.median(m[key]) / GB

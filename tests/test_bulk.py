@@ -45,6 +45,17 @@ def _server(secret):
     srv.stop(grace=0).wait(5)
 
 
+def counts(servicer, **want):
+    """The bulk port's counts once they show ``want`` (a transfer is counted just after the
+    node has its answer), within 5 s."""
+    end = time.monotonic() + 5
+    while True:
+        got = servicer.bulk_server.counts()
+        if all(got[k] == v for k, v in want.items()) or time.monotonic() > end:
+            return got
+        time.sleep(0.01)
+
+
 def joined(addr, security, n=N):
     c = GlobalClient(addr, "job", 0, round_timeout=5.0, security=security)
     c.join(workers=2, param_count=n, algorithm="easgd", num_groups=1, connect_timeout=5)
@@ -66,8 +77,8 @@ def test_a_vector_goes_up_and_comes_back_on_the_bulk_port(server):
     assert c.transfers.moved == {"bulk": 2, "grpc": 0}
     _, received, sent = servicer.stats.copy()
     assert received == sent == v.nbytes
-    assert servicer.bulk_server.counts() == {"upload": 1, "download": 1, "refused": 0,
-                                             "broken": 0, "turned_away": 0}
+    assert counts(servicer, upload=1, download=1) == {"upload": 1, "download": 1, "refused": 0,
+                                                      "broken": 0, "turned_away": 0}
 
 
 def test_a_small_model_stays_on_grpc():
@@ -113,7 +124,7 @@ def test_refusals_carry_the_grpc_status_and_change_nothing(server):
         c.push("center", vector(), round_id=0)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert not servicer.params.center_ready and c.transfers.moved == {"bulk": 0, "grpc": 0}
-    assert servicer.bulk_server.counts()["refused"] == 4
+    assert counts(servicer, refused=4)["refused"] == 4
 
 
 def test_a_non_finite_value_midway_is_refused_and_said(server):
@@ -159,7 +170,7 @@ def test_a_full_server_sends_that_transfer_over_grpc():
         out = np.zeros(N, np.float32)
         c.pull("center", out, round_id=0)
         assert np.array_equal(out, v) and c.transfers.moved == {"bulk": 0, "grpc": 2}
-        assert servicer.bulk_server.counts()["turned_away"] == 2
+        assert counts(servicer, turned_away=2)["turned_away"] == 2
 
 
 # ---------------------------------------------------------------------------- hostile peers
@@ -276,3 +287,82 @@ def test_the_node_side_refuses_what_a_server_must_not_send():
     with pytest.raises(TransferError):  # a request longer than the protocol allows
         bulk.upload(socket.socket(), None, bytes(bulk.MAX_REQUEST + 1), np.zeros(4, np.float32),
                     np.dtype("<f4"), 4, 5.0)
+
+
+def test_a_node_session_has_at_most_two_transfers_open_as_on_grpc(server):
+    servicer, addr, security = server
+    c = joined(addr, security)
+    request = pb.PullParamsRequest(node=pb.NodeId(job_id="job", node_index=0, session=c.session),
+                                   buffer=pb.BUFFER_KIND_CENTER).SerializeToString()
+    waiting = [raw(servicer.bulk_port, security.secret, bulk.DOWNLOAD, request)
+               for _ in range(2)]  # the center is not seeded: both wait for it (1 s)
+    time.sleep(0.2)
+    s, ch = raw(servicer.bulk_port, security.secret, bulk.DOWNLOAD, request)
+    with s:
+        status, reason, _ = reply(ch)
+    assert status == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+    assert "already has 2 parameter transfers open" in reason
+    for s, ch in waiting:  # their round's wait ends: not ready, said
+        with s:
+            assert reply(ch)[0] == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+    v = vector()  # the session's count is back to 0: its transfers go on
+    c.push("center", v, round_id=0)
+    assert counts(servicer, upload=1)["upload"] == 1
+
+
+def test_a_wrong_size_download_is_a_value_error_as_on_grpc(server):
+    servicer, addr, security = server
+    c = joined(addr, security)
+    c.push("center", vector(), round_id=0)
+    with pytest.raises(ValueError, match="600000 elements, this node's 600001"):
+        c.pull("center", np.zeros(N + 1, np.float32), round_id=0)
+
+
+def test_the_listener_goes_on_after_accept_fails(server, caplog):
+    servicer, addr, security = server
+    port = servicer.bulk_server
+
+    class Flaky:  # the listening socket, out of file descriptors for its next accept
+        def __init__(self, sock):
+            self.sock, self.failed = sock, False
+
+        def accept(self):
+            if not self.failed:
+                self.failed = True
+                raise OSError(24, "Too many open files")
+            return self.sock.accept()
+
+        def __getattr__(self, name):
+            return getattr(self.sock, name)
+
+    real = port.sock
+    port.sock = Flaky(real)
+    time.sleep(0.6)  # the accept in progress times out: the next is the flaky one
+    with caplog.at_level(logging.WARNING):
+        c = joined(addr, security)
+        v = vector()
+        c.push("center", v, round_id=0)
+    assert port.sock.failed and port._thread.is_alive()
+    assert "could not accept a connection" in caplog.text
+    assert c.transfers.moved["bulk"] == 1
+
+
+def test_a_refused_upload_drains_a_socket_past_descriptor_1024():
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("fewer than 1200 file descriptors allowed")
+    a, b = socket.socketpair()
+    high = os.dup2(a.fileno(), 1100)
+    a.close()
+    sock = socket.socket(fileno=high)
+    try:
+        b.sendall(b"x" * 1000)
+        b.shutdown(socket.SHUT_WR)
+        t = time.monotonic()
+        bulk._drain(sock)  # select() would raise ValueError here
+        assert time.monotonic() - t < 1.0
+        assert b.recv(10) == b""  # the server's side was shut for writing
+    finally:
+        sock.close()
+        b.close()

@@ -6,9 +6,11 @@ A connection carries one transfer, which goes through the servicer's own checks 
 (``TransferRPCs.take_upload`` / ``give_download``: the same node, session and round checks, the
 same ``ParamStore``), so a node sees the same answers on either path. Admission: at most
 ``Limits.streams`` connections at once and ``Limits.pending_per_host`` from one host (more are
-closed at once: the node makes the gRPC call instead); a connection must say its request within
+closed at once: the node makes the gRPC call instead; a host's count holds a connection until
+its request checks out, when it counts against its node session's instead, at most
+``Limits.streams_per_session`` as on gRPC); a connection must say its request within
 ``AUTH_WAIT`` and make progress every ``Limits.idle`` seconds, and lives at most
-``Limits.lifetime``. With a job secret only its holders are served (``plane/bulk.py``); the
+``Limits.lifetime``. The bulk port's connections are counted apart from the gRPC streams. With a job secret only its holders are served (``plane/bulk.py``); the
 port is off under TLS (its connections are authenticated, not encrypted).
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
@@ -65,10 +68,12 @@ class BulkServer:
         self.sock: socket.socket | None = None
         self.port = 0
         self._lock = threading.Lock()
-        self._hosts: Counter[str] = Counter()
-        self._open: set[socket.socket] = set()
+        self._pending: Counter[str] = Counter()  # per host: connections not past their request
+        self._sessions: Counter[tuple[int, int]] = Counter()  # (node, session): transfers
+        self._open: dict[socket.socket, threading.Thread] = {}
         self._stopped = False
         self._thread: threading.Thread | None = None
+        self._accept_errors = 0
         # uploads and downloads completed, refused (a status other than OK: the node was
         # told), broken (the connection failed, or was forged or too slow: closed), and
         # connections turned away at once (too many)
@@ -91,10 +96,12 @@ class BulkServer:
         self._thread.start()
         return self.port
 
-    def stop(self) -> None:
-        """Close the port and end the transfers in progress."""
+    def stop(self, wait: float = 2.0) -> None:
+        """Close the port, end the transfers in progress, and wait for their threads (at most
+        ``wait`` seconds: a download still waiting for its round's buffer ends with it)."""
         with self._lock:
             self._stopped = True
+            threads = list(self._open.values())
             for s in self._open:
                 try:
                     s.shutdown(socket.SHUT_RDWR)
@@ -102,8 +109,10 @@ class BulkServer:
                     pass
         if self.sock is not None:
             self.sock.close()
-        if self._thread is not None:
-            self._thread.join(2.0)
+        end = time.monotonic() + wait
+        for t in threads + ([self._thread] if self._thread is not None else []):
+            if t.ident is not None:
+                t.join(max(0.0, end - time.monotonic()))
 
     def _accept(self) -> None:
         assert self.sock is not None
@@ -112,25 +121,39 @@ class BulkServer:
                 conn, peer = self.sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if self._stopped:
+                    return  # closed
+                # out of file descriptors or memory for a moment: the port stays served
+                self._accept_errors += 1
+                if self._accept_errors in (1, 10, 100) or not self._accept_errors % 1000:
+                    log.warning("the bulk port could not accept a connection (%s; %d times so "
+                                "far); the nodes' transfers go over gRPC meanwhile", exc,
+                                self._accept_errors)
+                time.sleep(0.05)
+                continue
             host = peer[0]
             with self._lock:
                 busy = (self._stopped or len(self._open) >= self.limits.streams
-                        or self._hosts[host] >= self.limits.pending_per_host)
-                if not busy:
-                    self._open.add(conn)
-                    self._hosts[host] += 1
-                else:
+                        or self._pending[host] >= self.limits.pending_per_host)
+                if busy:
                     self.served["turned_away"] += 1
+                else:
+                    self._pending[host] += 1
+                    thread = threading.Thread(target=self._serve, args=(conn, host),
+                                              name="lsgd-bulk-conn", daemon=True)
+                    self._open[conn] = thread
             if busy:
                 conn.close()
                 continue
-            threading.Thread(target=self._serve, args=(conn, host), name="lsgd-bulk-conn",
-                             daemon=True).start()
+            try:
+                thread.start()
+            except RuntimeError as exc:  # no thread to be had: this connection is turned away
+                log.warning("the bulk port could not start a thread (%s)", exc)
+                self._end(conn, host, None, "turned_away")
 
     def _serve(self, conn: socket.socket, host: str) -> None:
-        handler = _Handler(self.servicer, f"bulk:{host}")
+        handler = _Handler(self, f"bulk:{host}", host)
         outcome = "broken"  # (anything else that ends the thread)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -141,27 +164,58 @@ class BulkServer:
         except Exception:  # noqa: BLE001 - a bug here must not end the listener's thread
             log.exception("a bulk transfer from %s failed", host)
         finally:
-            conn.close()
-            with self._lock:
-                self.served[outcome] += 1
-                self._open.discard(conn)
-                self._hosts[host] -= 1
-                if not self._hosts[host]:
-                    del self._hosts[host]
+            self._end(conn, None if handler.admitted else host, handler.session, outcome)
+
+    def _end(self, conn: socket.socket, host: str | None, session: tuple[int, int] | None,
+             outcome: str) -> None:
+        conn.close()
+        with self._lock:
+            self.served[outcome] += 1
+            self._open.pop(conn, None)
+            for table, key in ((self._pending, host), (self._sessions, session)):
+                if key is not None:
+                    table[key] -= 1
+                    if table[key] <= 0:
+                        del table[key]
+
+    def admit(self, host: str, session: tuple[int, int]) -> bool:
+        """A connection's request checked out (its MAC): it leaves its host's pending ones and
+        counts against its node session's transfers (at most ``streams_per_session``, as on
+        gRPC). False: that session has as many open already."""
+        with self._lock:
+            if self._sessions[session] >= self.limits.streams_per_session:
+                return False
+            self._sessions[session] += 1
+            self._pending[host] -= 1
+            if self._pending[host] <= 0:
+                del self._pending[host]
+            return True
 
 
 class _Handler:
     """One connection's transfer, through the servicer's own checks and buffers."""
 
-    def __init__(self, servicer: "GlobalServicer", peer: str) -> None:
-        self.servicer, self.context = servicer, _Context(peer)
+    def __init__(self, port: BulkServer, peer: str, host: str) -> None:
+        self.port, self.servicer, self.context = port, port.servicer, _Context(peer)
+        self.host = host
+        self.admitted = False  # past its request: counted against its session, not its host
+        self.session: tuple[int, int] | None = None
         self.done = ""  # "upload" or "download" once the transfer went through whole
+
+    def _admit(self, node: pb.NodeId) -> None:
+        session = (node.node_index, node.session)
+        if not self.port.admit(self.host, session):
+            raise bulk.BulkStatus(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], (
+                f"node {node.node_index} already has {self.port.limits.streams_per_session} "
+                "parameter transfers open; try again later"))
+        self.admitted, self.session = True, session
 
     def __call__(self, req: bulk.Request) -> "tuple[int, int, bulk.Chunks] | None":
         s = self.servicer
         try:
             if req.kind == bulk.UPLOAD:
                 h = pb.PushHeader.FromString(req.body)
+                self._admit(h.node)
                 item = ITEM.get(s.wire_name(h.wire_format) or "", 4)
                 try:
                     s.take_upload(h, req.reader(h.param_count, item), self.context)
@@ -170,7 +224,12 @@ class _Handler:
                 self.done = "upload"
                 return None
             request = pb.PullParamsRequest.FromString(req.body)
+            self._admit(request.node)
             count, item, chunks = s.give_download(request, req.chunk, self.context)
+            if not count:
+                raise bulk.BulkStatus(grpc.StatusCode.FAILED_PRECONDITION.value[0],
+                                      "the job's model size is not known yet (node 0 has not "
+                                      "joined)")
             return count, item, self._sent(chunks, req)
         except DecodeError:
             raise bulk.BulkStatus(grpc.StatusCode.INVALID_ARGUMENT.value[0],

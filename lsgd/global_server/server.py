@@ -120,7 +120,7 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
     servicer.admission = Admission(limits)
     checks = security.server_interceptors()
     sessions = bulk = None
-    if bulk_address is not None and security.ca is None:
+    if bulk_address is not None and security.ca is None and security.cert is None:
         bulk = BulkServer(servicer, security.secret, limits)
         try:
             servicer.bulk_port = bulk.start(bulk_address)

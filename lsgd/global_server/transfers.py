@@ -172,8 +172,8 @@ class TransferRPCs:
     def give_download(self, request: pb.PullParamsRequest, chunk: int,
                       context: grpc.ServicerContext,
                       views: bool = False) -> tuple[int, int, Iterator[tuple[int, bytes]]]:
-        """A download of ``request.buffer`` (not mail), checked now: (elements, bytes per
-        element on the wire, the chunks). The chunks wait until the buffer is ready for the
+        """A download of ``request.buffer`` (not mail), checked now: (elements, 0 while the
+        job's model size is not known, bytes per element on the wire, the chunks). The chunks wait until the buffer is ready for the
         round; a refusal then is ``context.abort`` too. ``views``: chunks are views of the
         server's buffer (sent at once, before the next is asked for), not copies."""
         buffer = BUFFERS.get(request.buffer)
@@ -189,10 +189,7 @@ class TransferRPCs:
         if not 1 <= chunk <= MAX_CHUNK:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
-        count = self.params.param_count
-        if count is None:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the job's model size is not "
-                          "known yet (node 0 has not joined)")
+        count = self.params.param_count or 0  # 0: not known yet (the chunks will wait)
 
         def chunks() -> Iterator[tuple[int, bytes]]:
             try:

@@ -41,6 +41,7 @@ PULL_CHUNK = 1 << 17  # download, asked of the server
 BULK_CHUNK = 1 << 18  # elements per chunk on the bulk port (1 MiB of float32)
 MIN_BULK = 1 << 20  # bytes: smaller vectors stay on gRPC (a connection costs more than it saves)
 BULK_CONNECT = 3.0  # seconds a node gives the bulk port to connect
+BULK_STALL = 15.0  # seconds without progress once the vector moves (as gRPC's keepalive finds)
 WIRE_FORMATS = {"float32": pb.WIRE_FORMAT_UNSPECIFIED, "bfloat16": pb.WIRE_FORMAT_BFLOAT16}
 BUFFER_KINDS = {"global_leader": pb.BUFFER_KIND_GLOBAL_LEADER, "center": pb.BUFFER_KIND_CENTER,
                 "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE,
@@ -102,7 +103,7 @@ class ParamTransfers:
                                wire_format=WIRE_FORMATS[wire], weight=weight)
         if self._bulk(vec.size * dtype.itemsize, lambda s: bulk.upload(
                 s, self._secret, header.SerializeToString(), vec, dtype, BULK_CHUNK,
-                self._timeout())):
+                self._timeout(), BULK_STALL)):
             return
         stage = None if dtype == vec.dtype else aligned_empty(min(CHUNK, vec.size), dtype)
 
@@ -134,7 +135,7 @@ class ParamTransfers:
                                        chunk_elements=PULL_CHUNK, wire_format=WIRE_FORMATS[wire])
         if self._bulk(out.size * dtype.itemsize, lambda s: bulk.download(
                 s, self._secret, request.SerializeToString(), out, dtype, BULK_CHUNK,
-                self._timeout())):
+                self._timeout(), BULK_STALL)):
             return
         raw = out.dtype == dtype and out.dtype.isnative and out.flags.c_contiguous
         dst = out.view(np.uint8) if raw else out
@@ -211,6 +212,8 @@ class ParamTransfers:
                 log.debug("node %d: the bulk port took no transfer now (%s); over gRPC",
                           self.node_index, exc)
             return False
+        except bulk.SizeMismatch as exc:  # as the gRPC path says it
+            raise ValueError(str(exc)) from None
         except bulk.BulkStatus as exc:
             raise TransferFailed(_CODES.get(exc.code, grpc.StatusCode.UNKNOWN),
                                  exc.details) from None

@@ -24,7 +24,7 @@ The keys are this connection's (``HMAC(secret, "lsgd-bulk-v1" + server's nonce +
 nonce)``), and every message carries a MAC as in ``wire.py``: only a holder of the job secret
 is served, and nothing can be replayed, reordered or injected. Without a secret (a job on
 loopback, or ``ALLOW_INSECURE=1``, as on the gRPC port) the MACs are zeros. Nothing here knows
-gRPC or the server's buffers: ``global_server/bulk.py`` and ``local_server/bulk_client.py``
+gRPC or the server's buffers: ``global_server/bulk.py`` and ``local_server/transfer_client.py``
 are the two ends.
 """
 
@@ -73,6 +73,10 @@ class Unreached(TransferError):
         self.foreign = foreign
 
 
+class SizeMismatch(TransferError):
+    """The server's vector and the node's differ in size (nothing was moved)."""
+
+
 def _reason(text: str) -> bytes:
     return text.encode()[:MAX_REASON]
 
@@ -113,7 +117,7 @@ def upload(sock: socket.socket, secret: bytes | None, request: bytes, vec: np.nd
     ``Unreached``, or ``TransferError``."""
     ch, count = _open(sock, secret, UPLOAD, request, chunk, timeout)
     if count != vec.size:
-        raise TransferError(f"the server takes {count} elements, not {vec.size}")
+        raise SizeMismatch(f"the server takes {count} elements, not {vec.size}")
     ch.stall = stall
     stage = None if dtype == vec.dtype else np.empty(min(chunk, vec.size), dtype)
     early = select.poll()
@@ -157,7 +161,7 @@ def download(sock: socket.socket, secret: bytes | None, request: bytes, out: np.
     on an error ``out`` holds a part, as after a broken gRPC download."""
     ch, count = _open(sock, secret, DOWNLOAD, request, chunk, timeout)
     if count != out.size:
-        raise TransferError(f"the server's vector has {count} elements, this node's {out.size}")
+        raise SizeMismatch(f"the server's vector has {count} elements, this node's {out.size}")
     ch.stall = stall
     item = dtype.itemsize
     raw = out.dtype == dtype and out.dtype.isnative and out.flags.c_contiguous
@@ -293,8 +297,10 @@ def _drain(sock: socket.socket) -> None:
         sock.shutdown(socket.SHUT_WR)
         end = time.monotonic() + DRAIN
         sink = bytearray(1 << 16)
+        poller = select.poll()  # (not select(): descriptors past 1024 are common on a server)
+        poller.register(sock, select.POLLIN)
         while (left := end - time.monotonic()) > 0:
-            if not select.select([sock], [], [], left)[0]:
+            if not poller.poll(left * 1000):
                 return
             try:
                 if not sock.recv_into(sink):
