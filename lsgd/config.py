@@ -163,11 +163,8 @@ class JobConfig:
              "BULK_PORT's connections are authenticated by the job secret but not encrypted: "
              "with TLS_CA set, leave BULK_PORT empty or 0 (the transfers stay on TLS)")
         if self.bulk_address:
-            others = {"PORT": self.port,
-                      "STATUS_PORT" + (" (PORT+1 by default)" if self.status_port is None else ""):
-                          self.status_address,
-                      "SESSION_PORT" + (" (PORT+2 by default)" if self.session_port is None else ""):
-                          self.session_address}
+            others = self._server_ports()
+            others.pop(next(k for k in others if k.startswith("BULK_PORT")))
             same = [name for name, port in others.items() if port == self.bulk_address]
             need(not same, f"BULK_PORT {self.bulk_address}"
                  + (" (PORT+3 by default)" if self.bulk_port is None else "")
@@ -279,13 +276,7 @@ class JobConfig:
         need(rounds, f"PLANE=chain carries a round's leader or sums from node to node; "
              f"algorithm '{self.algorithm}' has no rounds: set PLANE=star")
         if self.node_index == 0 and self.data_port:  # node 0 hosts the global server's ports
-            theirs = {"PORT": self.port,
-                      "STATUS_PORT" + (" (PORT+1 by default)" if self.status_port is None else ""):
-                          self.status_address,
-                      "SESSION_PORT" + (" (PORT+2 by default)" if self.session_port is None else ""):
-                          self.session_address,
-                      "BULK_PORT" + (" (PORT+3 by default)" if self.bulk_port is None else ""):
-                          self.bulk_address}
+            theirs = self._server_ports()
             clash = [name for name, port in theirs.items() if port == self.data_port]
             need(not clash, f"DATA_PORT {self.data_port} is also node 0's {clash[0] if clash else ''}, "
                  "a port of the global server; give the data listener its own port, or "
@@ -342,6 +333,16 @@ class JobConfig:
         if self.session_port is None:
             return 0 if self.port == 0 else (self.port + 2 if self.port < 65534 else 0)
         return self.session_port
+
+    def _server_ports(self) -> dict[str, int | None]:
+        """Node 0's global-server ports by name (the default ones say so)."""
+        def named(name: str, given: int | None, default: str) -> str:
+            return name + (f" ({default} by default)" if given is None else "")
+
+        return {"PORT": self.port,
+                named("STATUS_PORT", self.status_port, "PORT+1"): self.status_address,
+                named("SESSION_PORT", self.session_port, "PORT+2"): self.session_address,
+                named("BULK_PORT", self.bulk_port, "PORT+3"): self.bulk_address}
 
     @property
     def bulk_address(self) -> int | None:

@@ -101,12 +101,7 @@ def _open(sock: socket.socket, secret: bytes | None, kind: int, request: bytes, 
     ch.send(TO_RECEIVER, _REQUEST.pack(kind, chunk, len(request)), request, mine)
     reply = ch.read(_REPLY.size)
     status, length, count = _REPLY.unpack(reply)
-    if length > MAX_REASON:
-        raise TransferError(f"the server sent a reason of {length} bytes")
-    reason = ch.read(length) if length else b""
-    ch.check(TO_SENDER, reply, reason)
-    if status:
-        raise BulkStatus(status, reason.decode(errors="replace"))
+    _said(ch, reply, status, length)
     return ch, count
 
 
@@ -145,11 +140,15 @@ def upload(sock: socket.socket, secret: bytes | None, request: bytes, vec: np.nd
 
 def _finish(ch: _Channel) -> None:
     raw = ch.read(_DONE.size)
-    status, length = _DONE.unpack(raw)
+    _said(ch, raw, *_DONE.unpack(raw))
+
+
+def _said(ch: _Channel, head: bytes, status: int, length: int) -> None:
+    """Read the reason that follows ``head`` and the MAC over both; raise a refusal."""
     if length > MAX_REASON:
         raise TransferError(f"the server sent a reason of {length} bytes")
     reason = ch.read(length) if length else b""
-    ch.check(TO_SENDER, raw, reason)
+    ch.check(TO_SENDER, head, reason)
     if status:
         raise BulkStatus(status, reason.decode(errors="replace"))
 
@@ -173,12 +172,9 @@ def download(sock: socket.socket, secret: bytes | None, request: bytes, out: np.
         ch.read_into(memoryview(frame))
         tag, a, b = _FRAME.unpack(frame)
         if tag == END_TAG:
-            if b > MAX_REASON:
-                raise TransferError(f"the server sent a reason of {b} bytes")
-            reason = ch.read(b) if b else b""
-            ch.check(TO_SENDER, bytes(frame), reason)
-            if a:
-                raise BulkStatus(a, reason.decode(errors="replace"))
+            if a > 0xFFFF:
+                raise TransferError(f"the server ended with status {a}")
+            _said(ch, bytes(frame), a, b)
             if pos != count:
                 raise TransferError(f"the download ended at {pos} of {count} elements")
             return
