@@ -206,8 +206,10 @@ def test_a_hung_member_is_bypassed_once_it_stalls(chain_of):
 
 def test_a_member_whose_source_dies_ends_with_nothing_at_the_deadline(chain_of):
     # The source is killed mid-transfer: nobody can bypass it, the others time out with
-    # nothing applied. 16 MiB, more than the sockets' buffers hold, in 64 chunks of 256 KiB.
-    chain = chain_of(3, delays={1: 0.02}, timeout=4.0, count=1 << 22, chunk=1 << 16)
+    # nothing applied. 32 MiB in 128 chunks of 256 KiB, which member 1 takes in 2.6 s: at the
+    # kill it has at most 45 chunks, and the sockets' buffers (at most ~10 MB on loopback) hold
+    # 40 more, so the source cannot have sent the whole vector (16 MiB could: a CI run did).
+    chain = chain_of(3, delays={1: 0.02}, timeout=4.0, count=1 << 23, chunk=1 << 16)
     chain.start()
     time.sleep(0.9)
     os.kill(chain.procs[0].pid, signal.SIGKILL)
