@@ -121,13 +121,13 @@ def test_the_node_loop_asks_weights_with_the_nodes_participants_together():
         rule=TopK(k=1), warned=[],
         store=types.SimpleNamespace(buffer={SUM: np.zeros(1, np.float32)}.__getitem__,
                                     slot=slots.__getitem__),
-        workers=[types.SimpleNamespace(worker_id=10 + i) for i in range(3)])
+        workers=[types.SimpleNamespace(worker_id=10 + i, set_up_at=0) for i in range(3)])
     node.repeats = types.SimpleNamespace(warning=lambda *a: node.warned.append(a))
     node._weights = types.MethodType(RoundMixin._weights, node)
     node._tell_missing_scalars = types.MethodType(RoundMixin._tell_missing_scalars, node)
-    joins = {0: types.SimpleNamespace(loss=0.5, scalars={}),
-             1: types.SimpleNamespace(loss=0.2, scalars={}),
-             2: types.SimpleNamespace(loss=0.9, scalars={})}
+    joins = {0: types.SimpleNamespace(loss=0.5, scalars={}, iterations=5),
+             1: types.SimpleNamespace(loss=0.2, scalars={}, iterations=5),
+             2: types.SimpleNamespace(loss=0.9, scalars={}, iterations=5)}
     total = RoundMixin._sum_slots(node, joins, weighted=True)
     assert total == pytest.approx(1 + 2e-6)
     np.testing.assert_allclose(node.store.buffer(SUM), [3.0 + 1e-6 * 101.0], rtol=1e-6)

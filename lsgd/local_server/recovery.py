@@ -90,6 +90,7 @@ class RecoveryMixin:
             self.async_node.restart_worker(w.local)
         else:
             ops.copy_(self.store.slot(w.local), self.store.buffer(self._restart_point()))
+        w.set_up_at = w.iterations
         self._send(w, m.Setup(self.store.layout, from_slot=True, iterations=w.iterations))
 
     def _last_words(self, w: WorkerState) -> tuple[str | None, bool]:

@@ -161,7 +161,9 @@ class RoundMixin:
         together; a weight out of [1e-6, 1e6] is clipped (logged once)."""
         cs = [Contribution(self.workers[i].worker_id, j.loss, dict(j.scalars))
               for i, j in joins.items()]
-        self._tell_missing_scalars(cs)
+        # a worker called into a round before its first step has no value to give yet
+        self._tell_missing_scalars([c for c, (i, j) in zip(cs, joins.items())
+                                    if j.iterations > self.workers[i].set_up_at])
         weights, clipped = node_weights(self.rule, cs)
         for pos, w in clipped:
             self.repeats.warning("weight", "rule %s gave worker %d the weight %r, outside "

@@ -167,6 +167,7 @@ class StartupMixin:
         for w in self._live():
             if start is not None:
                 ops.copy_(self.store.slot(w.local), self.store.buffer(start))
+            w.set_up_at = w.iterations
             self._send(w, m.Setup(layout, from_slot=start is not None or resumed is not None,
                                   iterations=w.iterations, resume=resumed is not None))
         if self.evaluator is not None and self.evaluator.hello is not None:

@@ -41,6 +41,7 @@ class WorkerState:
     respawns: list[float] = field(default_factory=list)  # time.time() of each respawn
     reading: frozenset[str] = frozenset()  # node buffers its unanswered Pull reads (rounds.py)
     starting: bool = False  # respawned, not sent its Setup yet: nothing else may reach it
+    set_up_at: int = 0  # its step count when its process got its Setup (none taken since: equal)
 
     @property
     def life(self) -> int:
