@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import re
 import socket
 import struct
+import threading
 import time
 
 import grpc
@@ -39,8 +41,7 @@ def _server(secret):
     security = Security(secret=secret)
     srv, port = create_server("127.0.0.1:0", servicer, security=security,
                               bulk_address="127.0.0.1:0")
-    assert servicer.bulk_port
-    servicer.bulk_server = srv.bulk  # (for the tests' own checks)
+    assert servicer.bulk_port and servicer.bulk_server is srv.bulk
     yield servicer, f"127.0.0.1:{port}", security
     srv.stop(grace=0).wait(5)
 
@@ -78,7 +79,14 @@ def test_a_vector_goes_up_and_comes_back_on_the_bulk_port(server):
     _, received, sent = servicer.stats.copy()
     assert received == sent == v.nbytes
     assert counts(servicer, upload=1, download=1) == {"upload": 1, "download": 1, "refused": 0,
-                                                      "broken": 0, "turned_away": 0}
+                                                      "broken": 0, "no_request": 0,
+                                                      "turned_away": 0}
+    from lsgd.global_server.prom import make_registry, render
+
+    metrics = render(make_registry(servicer)).decode()
+    assert 'lsgd_bulk_transfers_total{outcome="upload"} 1.0' in metrics
+    moved_in = re.search(r'lsgd_param_bytes_total\{direction="in"\} (\S+)', metrics)
+    assert moved_in and float(moved_in.group(1)) == v.nbytes
 
 
 def test_a_small_model_stays_on_grpc():
@@ -239,6 +247,8 @@ def test_a_chunk_out_of_order_or_forged_ends_the_upload_and_the_seed_can_come_ag
                 ch.send(bulk.TO_RECEIVER, struct.pack("<QI", offset, 1 << 16), bulk=data)
             s.settimeout(5)
             assert s.recv(100) == b""  # the server closed the connection: nothing said on it
+    got = counts(servicer, broken=2 if security.secret else 1)
+    assert got["broken"] == (2 if security.secret else 1) and got["no_request"] == 0, got
     deadline = time.monotonic() + 5
     while servicer.params._seeding and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -256,6 +266,7 @@ def test_a_stranger_without_the_secret_is_not_served():
             s.settimeout(5)
             assert s.recv(100) == b""  # its request's MAC is wrong: closed, nothing said
         assert not servicer.params.center_ready and servicer.stats.copy()[1] == 0
+        assert counts(servicer, no_request=1)["no_request"] == 1
 
 
 def test_a_peer_that_says_nothing_or_too_much_is_dropped(server):
@@ -270,6 +281,7 @@ def test_a_peer_that_says_nothing_or_too_much_is_dropped(server):
         s.recv(_HELLO.size)
         s.sendall(bulk._REQUEST.pack(bulk.UPLOAD, 1 << 16, bulk.MAX_REQUEST + 1))
         assert s.recv(100) == b""  # a request longer than MAX_REQUEST: not read
+    assert counts(servicer, no_request=2)["no_request"] == 2  # neither is a broken transfer
 
 
 def test_the_node_side_refuses_what_a_server_must_not_send():
@@ -366,3 +378,44 @@ def test_a_refused_upload_drains_a_socket_past_descriptor_1024():
     finally:
         sock.close()
         b.close()
+
+
+def test_a_port_that_failed_is_tried_again_later(server, monkeypatch, caplog):
+    from lsgd.local_server import transfer_client
+
+    monkeypatch.setattr(transfer_client, "RETRY_FIRST", 0.3)
+    servicer, addr, security = server
+    c = joined(addr, security)
+    real = socket.create_connection
+    down = [True]
+
+    def connect(*args, **kw):  # the link to the port is down, then back
+        if down[0]:
+            raise TimeoutError("timed out")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(transfer_client.socket, "create_connection", connect)
+    v, out = vector(), np.zeros(N, np.float32)
+    with caplog.at_level(logging.WARNING):
+        c.push("center", v, round_id=0)
+        c.pull("center", out, round_id=0)  # within the minute: gRPC, not tried
+        down[0] = False
+        c.pull("center", out, round_id=0)  # still within it
+        assert c.transfers.moved == {"bulk": 0, "grpc": 3}
+        time.sleep(0.35)
+        c.pull("center", out, round_id=0)  # tried again: the port answers
+    assert c.transfers.moved == {"bulk": 1, "grpc": 3} and np.array_equal(out, v)
+    assert "did not answer" in caplog.text and "answers again" in caplog.text
+
+
+def test_a_job_stop_ends_a_transfer_in_progress(server):
+    servicer, addr, security = server
+    c = joined(addr, security)
+    t = time.monotonic()
+    timer = threading.Timer(0.2, c._note_stop, args=("job stopped on node 0: interrupted",))
+    timer.start()
+    with pytest.raises(grpc.RpcError) as e:  # the center is not seeded: it would wait 1 s
+        c.pull("center", np.zeros(N, np.float32), round_id=0)
+    timer.join()
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - t < 0.8
+    assert c.stopped.startswith("job stopped")

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ITEM = {"float32": 4, "bfloat16": 2}
+TURNED_AWAY_EVERY = 60.0  # seconds between warnings that connections were turned away
 
 
 class _Context:
@@ -75,9 +76,12 @@ class BulkServer:
         self._thread: threading.Thread | None = None
         self._accept_errors = 0
         # uploads and downloads completed, refused (a status other than OK: the node was
-        # told), broken (the connection failed, or was forged or too slow: closed), and
-        # connections turned away at once (too many)
-        self.served = {"upload": 0, "download": 0, "refused": 0, "broken": 0, "turned_away": 0}
+        # told), broken (the connection failed after its request, or was forged or too slow:
+        # closed), no_request (closed or silent before a request that checks out: a probe, a
+        # stranger, a wrong secret), and connections turned away at once (too many)
+        self.served = {"upload": 0, "download": 0, "refused": 0, "broken": 0, "no_request": 0,
+                       "turned_away": 0}
+        self._turned_away_said = 0.0  # when a warning last said so (monotonic)
 
     def counts(self) -> dict[str, int]:
         """What the port did (see ``served``)."""
@@ -138,6 +142,10 @@ class BulkServer:
                         or self._pending[host] >= self.limits.pending_per_host)
                 if busy:
                     self.served["turned_away"] += 1
+                    now = time.monotonic()
+                    say = now - self._turned_away_said > TURNED_AWAY_EVERY
+                    if say:
+                        self._turned_away_said = now
                 else:
                     self._pending[host] += 1
                     thread = threading.Thread(target=self._serve, args=(conn, host),
@@ -145,6 +153,12 @@ class BulkServer:
                     self._open[conn] = thread
             if busy:
                 conn.close()
+                if say:
+                    log.warning("the bulk port turned a connection from %s away (%d open, at "
+                                "most %d; at most %d from one host before a request): those "
+                                "transfers go over gRPC; %d turned away so far",
+                                host, len(self._open), self.limits.streams,
+                                self.limits.pending_per_host, self.served["turned_away"])
                 continue
             try:
                 thread.start()
@@ -160,6 +174,7 @@ class BulkServer:
             bulk.serve(conn, self.secret, self.limits.lifetime, handler, stall=self.limits.idle)
             outcome = handler.done or "refused"
         except (TransferError, OSError) as exc:
+            outcome = "broken" if handler.called else "no_request"
             log.debug("a bulk transfer from %s ended: %s", host, exc)
         except Exception:  # noqa: BLE001 - a bug here must not end the listener's thread
             log.exception("a bulk transfer from %s failed", host)
@@ -198,6 +213,7 @@ class _Handler:
     def __init__(self, port: BulkServer, peer: str, host: str) -> None:
         self.port, self.servicer, self.context = port, port.servicer, _Context(peer)
         self.host = host
+        self.called = False  # its request's MAC checked out
         self.admitted = False  # past its request: counted against its session, not its host
         self.session: tuple[int, int] | None = None
         self.done = ""  # "upload" or "download" once the transfer went through whole
@@ -212,6 +228,7 @@ class _Handler:
 
     def __call__(self, req: bulk.Request) -> "tuple[int, int, bulk.Chunks] | None":
         s = self.servicer
+        self.called = True
         try:
             if req.kind == bulk.UPLOAD:
                 h = pb.PushHeader.FromString(req.body)

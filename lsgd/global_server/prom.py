@@ -11,6 +11,7 @@ builds the metric families without it.
     lsgd_nodes_alive, lsgd_nodes_expected
     lsgd_round_latency_seconds           histogram of global and final rounds, opening to closing
     lsgd_param_bytes_total{direction}    parameter data received (in) and sent (out)
+    lsgd_bulk_transfers_total{outcome}   the bulk port's connections (absent when it is off)
     lsgd_rpc_errors_total{method,code}   failed gRPC calls by method and status code
     lsgd_job_stopped                     1 once the job is over (finished or stopped)
     lsgd_global_server_restarts          times this job's global server was started again
@@ -68,11 +69,21 @@ class JobCollector:
             "lsgd_round_latency_seconds",
             "Global and final rounds: seconds from opening to closing (every node reported).",
             buckets=buckets, sum_value=m["latency_sum"])
-        moved = CounterMetricFamily("lsgd_param_bytes", "Parameter data moved by the global "
-                                    "server's streams.", labels=["direction"])
+        moved = CounterMetricFamily("lsgd_param_bytes", "Parameter data the global server "
+                                    "received (in) and sent (out), on gRPC streams and its bulk "
+                                    "port.", labels=["direction"])
         moved.add_metric(["in"], bytes_in)
         moved.add_metric(["out"], bytes_out)
         yield moved
+        port = getattr(s, "bulk_server", None)
+        if port is not None:
+            bulk = CounterMetricFamily("lsgd_bulk_transfers", "Connections to the bulk port "
+                                       "(BULK_PORT) by outcome: upload, download (whole), "
+                                       "refused (a status said), broken, no_request, "
+                                       "turned_away (too many).", labels=["outcome"])
+            for outcome, n in port.counts().items():
+                bulk.add_metric([outcome], n)
+            yield bulk
         failed = CounterMetricFamily("lsgd_rpc_errors", "Failed gRPC calls, by method and "
                                      "status code.", labels=["method", "code"])
         for (method, code), n in sorted(errors.items()):

@@ -120,7 +120,10 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
     servicer.admission = Admission(limits)
     checks = security.server_interceptors()
     sessions = bulk = None
-    if bulk_address is not None and security.ca is None and security.cert is None:
+    if bulk_address is not None and (security.ca is not None or security.cert is not None):
+        log.info("no bulk port under TLS (its connections are not encrypted): parameter "
+                 "vectors move on gRPC streams on PORT")
+    elif bulk_address is not None:
         bulk = BulkServer(servicer, security.secret, limits)
         try:
             servicer.bulk_port = bulk.start(bulk_address)
@@ -166,6 +169,7 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
             servicer.bulk_port = 0
         raise
     server.start()
+    servicer.bulk_server = bulk  # its counts for /metrics and the summary (None: off)
     return GlobalServers(server, sessions, bulk), port
 
 

@@ -90,6 +90,7 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
         self.on_news: Callable[[bool], None] | None = None
         self.session_port = 0  # where nodes open their Session streams (0: this server's port)
         self.bulk_port = 0  # where nodes move parameter vectors (0: on gRPC only; bulk.py)
+        self.bulk_server = None  # its BulkServer (bulk.py), for its counts
 
     def state_dump(self) -> dict:
         """The coordinator's state, numbered (lock held)."""

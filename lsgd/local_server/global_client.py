@@ -151,6 +151,7 @@ class GlobalClient:
     def _note_stop(self, reason: str) -> None:
         if reason and not self.stopped:
             self.stopped = reason
+            self.transfers.abort()  # a vector the job no longer needs: do not wait on its link
             if self.on_stopped is not None:
                 self.on_stopped(reason)
 

@@ -85,6 +85,7 @@ class LocalServer(StartupMixin, RoundMixin, ChainMixin, AsyncMixin, EvaluationMi
         self.security = security
         self.client = GlobalClient(address, config.job_id, config.node_index, config.round_timeout,
                                    security)
+        self.client.transfers.use_bulk = config.bulk_port != 0  # this node's BULK_PORT=0: gRPC
         self.heartbeat: Heartbeat | None = None
         self.pool = 0
         self.used_since = time.monotonic()  # the steps reported next were taken since then

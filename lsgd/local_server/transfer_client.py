@@ -5,9 +5,11 @@ Two paths, with the same checks and answers at the server (``global_server/trans
 
 - the server's **bulk port** (``BULK_PORT``, ``global_server/bulk.py``): one data connection
   per transfer, at a plain socket's speed. Used for vectors of ``MIN_BULK`` bytes and more when
-  the server named the port at the node's join. A port that does not connect is said once and
-  left for that server process (the gRPC calls are made instead); a server that is full for
-  a moment closes the connection at once, and that one transfer goes over gRPC.
+  the server named the port at the node's join and this node's ``BULK_PORT`` is not 0. A port
+  that does not connect is said once, and left for a minute (then up to 10, doubling) before it
+  is tried again: the gRPC calls are made meanwhile; a server that is full for a moment closes
+  the connection at once, and that one transfer goes over gRPC. A job stop ends a transfer in
+  progress (``abort``).
 - **gRPC streams** (``PushParams`` / ``PullParams``) on ``PORT``: chunks as hand-encoded
   protobuf bytes (the wire format of lsgd.proto, unchanged). An upload copies each slice of
   shared memory once, into the message; a download copies each message's payload once, into
@@ -22,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import socket
+import time
 from typing import Callable, Iterator
 
 import grpc
@@ -42,6 +45,7 @@ BULK_CHUNK = 1 << 18  # elements per chunk on the bulk port (1 MiB of float32)
 MIN_BULK = 1 << 20  # bytes: smaller vectors stay on gRPC (a connection costs more than it saves)
 BULK_CONNECT = 3.0  # seconds a node gives the bulk port to connect
 BULK_STALL = 15.0  # seconds without progress once the vector moves (as gRPC's keepalive finds)
+RETRY_FIRST, RETRY_MOST = 60.0, 600.0  # seconds on gRPC before a port that failed is tried again
 WIRE_FORMATS = {"float32": pb.WIRE_FORMAT_UNSPECIFIED, "bfloat16": pb.WIRE_FORMAT_BFLOAT16}
 BUFFER_KINDS = {"global_leader": pb.BUFFER_KIND_GLOBAL_LEADER, "center": pb.BUFFER_KIND_CENTER,
                 "sum": pb.BUFFER_KIND_NODE_SUM, "average": pb.BUFFER_KIND_AVERAGE,
@@ -83,13 +87,26 @@ class ParamTransfers:
                                               request_serializer=pb.PullParamsRequest.SerializeToString,
                                               response_deserializer=pb.ParamChunk.FromString)
         self.bulk_port = 0  # the server's (JoinResponse.bulk_port); 0: gRPC only
+        self.use_bulk = True  # False: this node's BULK_PORT=0 (gRPC only, whatever the server has)
         self._epoch = 0
-        self._unreachable = (0, 0)  # (server epoch, port) that did not connect
+        self._unreachable = (0, 0)  # (server epoch, port) that did not connect, until ...
+        self._retry_at = 0.0  # ... this time (monotonic), when the port is tried again
+        self._retry_delay = RETRY_FIRST
+        self._sock: socket.socket | None = None  # the bulk transfer in progress
         self.moved = {"bulk": 0, "grpc": 0}  # transfers made on each path
 
     def use_bulk_port(self, epoch: int, port: int) -> None:
         """What a join answered: the server process (``epoch``) and its bulk port."""
         self._epoch, self.bulk_port = epoch, port
+
+    def abort(self) -> None:
+        """End a bulk transfer in progress now (the job was stopped: nothing waits for it)."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------------ uploads
     def push(self, node: pb.NodeId, buffer: str, vec: np.ndarray, round_id: int,
@@ -195,13 +212,21 @@ class ParamTransfers:
         """Make the transfer on the bulk port; False when it is not to be used (none, too small,
         unreachable) or did not take the request: the caller makes the gRPC call then."""
         port = self.bulk_port
-        if not port or nbytes < MIN_BULK or (self._epoch, port) == self._unreachable:
+        if not port or not self.use_bulk or nbytes < MIN_BULK:
+            return False
+        retry = (self._epoch, port) == self._unreachable
+        if retry and time.monotonic() < self._retry_at:
             return False
         try:
             sock = socket.create_connection((self._host, port), timeout=BULK_CONNECT)
         except OSError as exc:
-            self._give_up(port, f"no connection: {exc}")
+            self._give_up(port, f"no connection: {exc}", again=retry)
             return False
+        if retry:
+            self._unreachable, self._retry_delay = (0, 0), RETRY_FIRST
+            log.warning("node %d: the global server's bulk port %d answers again; parameters "
+                        "move on it", self.node_index, port)
+        self._sock = sock
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             move(sock)
@@ -223,15 +248,23 @@ class ParamTransfers:
                     else grpc.StatusCode.UNAVAILABLE)
             raise TransferFailed(code, f"the transfer on the bulk port {port} broke: {exc}") from None
         finally:
+            self._sock = None
             sock.close()
         self.moved["bulk"] += 1
         return True
 
-    def _give_up(self, port: int, why: str) -> None:
-        self._unreachable = (self._epoch, port)
-        log.warning("node %d: the global server's bulk port %d did not answer (%s); parameters "
-                    "go over gRPC on PORT instead, at about a third of the speed (open "
-                    "BULK_PORT too, or set BULK_PORT=0)", self.node_index, port, why)
+    def _give_up(self, port: int, why: str, again: bool = False) -> None:
+        """The port did not answer: gRPC for a while (a minute, doubling up to 10 minutes),
+        then the port is tried again (a link that was down for a moment comes back)."""
+        if again:
+            self._retry_delay = min(self._retry_delay * 2, RETRY_MOST)
+        self._unreachable, self._retry_at = (self._epoch, port), time.monotonic() + self._retry_delay
+        if not again:
+            log.warning("node %d: the global server's bulk port %d did not answer (%s); "
+                        "parameters go over gRPC on PORT instead, at about a third of the speed, "
+                        "and the port is tried again every few minutes (open BULK_PORT, PORT+3 "
+                        "by default, on node 0's firewall; or BULK_PORT=0 on this node to use "
+                        "gRPC only)", self.node_index, port, why)
 
 
 def _varint(v: int) -> bytes:
