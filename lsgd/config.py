@@ -302,6 +302,8 @@ class JobConfig:
         need(self.tls_ca is None or self.node_index != 0 or self.tls_cert is not None,
              "node 0 serves TLS when tls_ca is set: give it tls_cert and tls_key (lsgd certs "
              "creates them)")
+        need(":" not in self.ip_addr, f"ip_addr {self.ip_addr} is an IPv6 address; node 0's "
+             "servers listen on IPv4 only: give node 0's IPv4 address or a host name")
         try:
             secret = read_secret(self.secret_file)
         except SecurityError as exc:

@@ -53,6 +53,8 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
      "DATA_PORT 50051 is also node 0's PORT, a port of the global server"),
     ((("PLANE", "chain"), ("PORT", "50051"), ("DATA_PORT", "50054")),
      "DATA_PORT 50054 is also node 0's BULK_PORT (PORT+3 by default), a port of the global"),
+    ((("IP_ADDR", "fd00::2"),), "ip_addr fd00::2 is an IPv6 address; node 0's servers listen "
+     "on IPv4 only: give node 0's IPv4 address or a host name"),
     ((("BULK_PORT", "70000"),), "bulk_port must be in 0..65535 (0: parameter transfers on PORT), got 70000"),
     ((("PORT", "50051"), ("BULK_PORT", "50052")),
      "BULK_PORT 50052 is also STATUS_PORT (PORT+1 by default); give each its own port, or "
