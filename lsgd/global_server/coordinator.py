@@ -117,7 +117,8 @@ class Coordinator(Membership, JobStop):
         if not node.alive:
             raise CoordinatorError("FAILED_PRECONDITION",
                                    f"node {index} was dropped after {self.node_timeout:g} s of "
-                                   "silence; restart it with train.sh to rejoin")
+                                   "silence; a running node reattaches on its own (one that "
+                                   "cannot: restart it with train.sh)")
         node.last_seen = now
         return node
 
