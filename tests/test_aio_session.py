@@ -242,6 +242,23 @@ def test_a_session_port_lost_mid_job_costs_no_call_and_a_server_gone_is_no_port_
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert d._session_port == port and not [
             r for r in caplog.records if "session port" in r.getMessage()]
+        # A restarted server answers on PORT before this node reattached, its session port not
+        # there yet: the node does not blame that port either (it did, once the first PORT
+        # answered: a new-user try saw the warning after a restart), and reattaches.
+        d._end_stream()
+        cfg = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="lsgd", l_comm=4, g_comm=8)
+        srv3, _ = create_server(addr2, build_servicer(cfg))  # a new epoch, the same PORT
+        try:
+            caplog.clear()
+            with caplog.at_level(logging.WARNING):
+                with pytest.raises(grpc.RpcError) as err:
+                    d.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0,
+                              max_wait=0)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert d._session_port == port and not [
+                r for r in caplog.records if "session port" in r.getMessage()]
+        finally:
+            srv3.stop(0).wait(5)
         d.close(), e.close()
     finally:
         srv.stop(0.5).wait(5)

@@ -173,7 +173,7 @@ class GlobalClient:
             if not (s.port and s.broken and not s.answered and exc.code() in (
                     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
                 raise
-            if not self._port_answers():  # PORT is gone too: the server is, not the port
+            if not self._same_server_answers():  # the server is gone or new, not the port
                 raise
             # never answered there, while PORT works: a firewall, most likely
             self._warn_unreachable(s.port, exc.details())
@@ -187,14 +187,18 @@ class GlobalClient:
             # credit request, a report or a digest question gets the same answer anyway)
             return self._on_stream(field, request, timeout)
 
-    def _port_answers(self) -> bool:
-        """Whether ``PORT`` connects (within a second): when it does not either, a failed
-        session stream says nothing about the session port."""
+    def _same_server_answers(self) -> bool:
+        """Whether the server process this node joined answers on ``PORT`` (it connects within
+        a second, and a heartbeat names the same epoch). When it does not, a failed session
+        stream says nothing about the session port: the server is gone, or a restarted one
+        (not yet listening there when the stream tried) waits for this node's reattach."""
         try:
             grpc.channel_ready_future(self._channel).result(timeout=1.0)
-            return True
-        except grpc.FutureTimeoutError:
+            beat = self._stub.Heartbeat(pb.HeartbeatRequest(node=self._node()), timeout=2.0,
+                                        metadata=self._md)
+        except (grpc.FutureTimeoutError, grpc.RpcError):
             return False
+        return beat.epoch == self.epoch
 
     def _node(self) -> pb.NodeId:
         return pb.NodeId(job_id=self.job_id, node_index=self.node_index, session=self.session)
