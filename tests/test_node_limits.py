@@ -228,6 +228,49 @@ def test_beats_thin_out_while_the_node_loops_own_calls_are_answered():
         hb.stop()
 
 
+def test_beats_are_not_thinned_while_the_job_waits_for_nodes():
+    # the loop's long-polls are answered while the job waits for a node; the beats' answers
+    # say when it starts and who is there (CI: node 0 said "waiting for node 1" 2 s after
+    # node 1 joined, and printed one progress line of a 3 s job)
+    import threading
+    import time
+    from lsgd.local_server.heartbeat import Heartbeat
+
+    class View:
+        started = False
+
+        def waiting_for_nodes(self) -> bool:
+            return not self.started
+
+        def on_heartbeat(self, **answer) -> None:  # (the test says when the job starts)
+            pass
+
+    client, view, busy = _BeatCounter(), View(), threading.Event()
+
+    def loop_calls() -> None:
+        while not busy.is_set():
+            client.answered_at = time.monotonic()
+            time.sleep(0.005)
+
+    hb = Heartbeat(client, interval=0.02, give_up=10.0, view=view)
+    hb._reporting = False  # beats without status reports (this view makes none)
+    caller = threading.Thread(target=loop_calls)
+    caller.start()
+    hb.start()
+    try:
+        time.sleep(0.6)
+        assert client.beats >= 15  # waiting: a beat every interval, answered calls or not
+        view.started = True
+        time.sleep(0.1)
+        before = client.beats
+        time.sleep(0.6)
+        assert client.beats - before <= 0.6 / (3 * 0.02) + 3  # started: thinned again
+    finally:
+        busy.set()
+        caller.join()
+        hb.stop()
+
+
 def test_semaphores_of_a_node_killed_outright_are_removed_by_its_next_run(tmp_path):
     # SIGKILL of a node's whole process group takes Python's resource tracker with it, which
     # would have unlinked the queues' named semaphores (/dev/shm/sem.mp-*)

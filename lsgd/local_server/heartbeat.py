@@ -41,7 +41,8 @@ class Heartbeat:
     A beat is also skipped while the node loop's own calls keep the node alive on the server
     (one answered within ``interval``), down to one beat every ``REPORT_EVERY`` intervals, which
     carries the status report: at 512 nodes, beats of busy nodes were a sixth of the server's
-    calls (issue 15).
+    calls (issue 15). Not while the job waits for nodes to join: the beats' answers say who is
+    missing, and when the job starts.
     """
 
     def __init__(self, client: GlobalClient, interval: float, give_up: float,
@@ -73,7 +74,8 @@ class Heartbeat:
                 continue
             now = time.monotonic()
             if (now - self.client.answered_at < self.interval
-                    and now - beaten < REPORT_EVERY * self.interval):
+                    and now - beaten < REPORT_EVERY * self.interval
+                    and not self._waiting_for_nodes()):
                 last_ok = now  # the server answered the node loop meanwhile
                 continue
             beaten = now
@@ -96,6 +98,12 @@ class Heartbeat:
                 elif time.monotonic() - last_ok > self.give_up:
                     self.trouble = (f"global server at {self.client.address} unreachable for "
                                     f"{self.give_up:g} s ({exc.code().name})")
+
+    def _waiting_for_nodes(self) -> bool:
+        """The job has not started (or no beat has said yet): every beat, so that the node says
+        who it waits for, and sees the start, within an interval. (Its loop's long-polls are
+        answered meanwhile, which would thin the beats out.)"""
+        return self.view is not None and self.view.waiting_for_nodes()
 
     def _loop_stuck(self) -> bool:
         silent = 0.0 if self.loop_silent is None else self.loop_silent()

@@ -299,6 +299,11 @@ class NodeView:
             self._round_id = max(self._round_id, rounds)
 
     # ------------------------------------------------------------------ readers
+    def waiting_for_nodes(self) -> bool:
+        """No heartbeat answer has said yet that the job started."""
+        with self._lock:
+            return self._beat["job_started"] is not True
+
     def snapshot(self) -> Snapshot:
         now = self.clock()
         with self._lock:
