@@ -51,22 +51,42 @@ def children_ignore_sigint() -> Iterator[None]:
 
     SIGINT is blocked in the calling thread only, while it starts them. A child inherits the
     mask across fork and exec, so a Ctrl-C stays pending in it through Python's start-up until
-    ``lsgd/__init__.py`` sets SIGINT to ignored (which drops it) and unblocks it. This process's
-    own handling is never touched: a Ctrl-C that comes meanwhile is taken by another of its
-    threads, or by this one once its mask is back. (Setting SIGINT to ignored around each start
-    instead lost a Ctrl-C that another thread took then, and the node trained on.)
+    ``lsgd/__init__.py`` sets SIGINT to ignored (which drops it) and unblocks it.
+
+    This process's handlers of SIGINT and SIGTERM are held too, in the main thread (the only
+    one that runs them): a signal that comes meanwhile (another thread takes it) is handled
+    right after, never lost. Run in the middle of a start, the handler's ``KeyboardInterrupt``
+    cut the start short while it wrote the child's preparation data: the child, already
+    running, printed ``EOFError: Ran out of input`` with a traceback (CI). (Setting SIGINT to
+    ignored around each start instead lost a Ctrl-C that came then, and the node trained on.)
     ``multiprocessing``'s resource tracker is started first: its own start unblocks SIGINT in
     the calling thread instead of restoring the mask.
     """
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
+    held: dict[int, Any] = {}
+    came: list[tuple[int, Any]] = []
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, ())  # read only: nothing to undo yet
     try:  # (a Ctrl-C may end the call below once SIGINT is blocked: the mask is restored)
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                handler = signal.getsignal(sig)
+                if callable(handler) or handler == signal.SIG_DFL:
+                    held[sig] = handler
+                    signal.signal(sig, lambda signum, frame: came.append((signum, frame)))
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
+        for signum, frame in came[:1]:  # the first one decides (a second does as it would)
+            handler = held[signum]
+            if callable(handler):
+                handler(signum, frame)
+            else:  # the default action, as it would have been
+                os.kill(os.getpid(), signum)
 
 
 def start_process(ctx: Any, target: Callable, args: tuple, name: str) -> mp.process.BaseProcess:
