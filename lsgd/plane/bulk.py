@@ -215,14 +215,10 @@ class Request:
         while pos < count:
             expect = min(self.chunk, count - pos)
             view = bounce[:expect * item]
-            ch.read_into(raw, view, mac)
-            at, n = _CHUNK.unpack(raw)
-            if (at, n) != (pos, expect):
-                raise TransferError(f"a chunk of {n} elements at {at}; expected {expect} at {pos}")
-            ch.check(TO_RECEIVER, raw, mac=bytes(mac), bulk=view)
+            ch.read_chunk(raw, view, mac, pos, item)
             self.moved += len(view)
             yield pos, view
-            pos += n
+            pos += expect
 
     def _reply(self, status: int, reason: str, count: int = 0) -> None:
         text = _reason(reason)

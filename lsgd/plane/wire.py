@@ -158,6 +158,17 @@ class _Channel:
         if not hmac.compare_digest(mac, want):
             raise TransferError("a message's MAC does not match: forged, replayed or corrupted")
 
+    def read_chunk(self, raw: memoryview, view: memoryview, mac: memoryview, at: int,
+                   item: int) -> None:
+        """The next chunk into ``raw`` (its offset and count), ``view`` (its bytes, which it must
+        fill) and ``mac``: it must start at element ``at``, and its MAC must match."""
+        expect = len(view) // item
+        self.read_into(raw, view, mac)
+        got, n = _CHUNK.unpack(raw)
+        if (got, n) != (at, expect):
+            raise TransferError(f"a chunk of {n} elements at {got}; expected {expect} at {at}")
+        self.check(TO_RECEIVER, raw, mac=bytes(mac), bulk=view)
+
     def _left(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
@@ -352,11 +363,8 @@ def receive_vector(sock: socket.socket, out: memoryview | None, reception: Recep
                                 "reception is still not complete")
         expect = min(header.chunk, header.count - mine)
         view = bounce[:expect * item]
-        ch.read_into(raw, view, mac)
-        at, n = _CHUNK.unpack(raw)
-        if (at, n) != (mine, expect):
-            raise TransferError(f"a chunk of {n} elements at {at}; expected {expect} at {mine}")
-        ch.check(TO_RECEIVER, raw, mac=bytes(mac), bulk=view)
+        at, n = mine, expect
+        ch.read_chunk(raw, view, mac, at, item)
         mine += n
         with guard:
             try:
