@@ -35,7 +35,6 @@ import subprocess
 import sys
 import time
 import uuid
-from pathlib import Path
 
 from .common import REPO, Result
 
@@ -180,7 +179,6 @@ def run(quick: bool) -> list[Result]:
             extra=r))
         for way in WAYS:
             ratio = r[f"{way}_s"] / r["one_s"]
-            chain = way.startswith("chain")
             out.append(Result(
                 TARGET, f"{way.replace('_', ' ')} of {m['size_mb']:g} MB, {r['nodes']} nodes, "
                 f"{m['rate']} links", r[f"{way}_s"], "s",

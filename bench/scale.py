@@ -673,7 +673,7 @@ def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
     return rows
 
 
-def compare(counts: list[int], against: str) -> int:
+def compare(counts: list[int], against: str, nodes_on: str = "threads") -> int:
     """The sweep of this checkout and of revision ``against`` (its own server, nodes and
     harness, from a git worktree), one after the other at each node count, so that both see the
     same host; then the ratios (this checkout / ``against``)."""
@@ -683,9 +683,10 @@ def compare(counts: list[int], against: str) -> int:
     pairs = []
     with worktree(rev) as tree:
         for n in counts:
-            old = json_rows(["-m", "bench.scale", "--sweep", str(n)], tree, tree)[0] | {"rev": rev}
+            old = json_rows(["-m", "bench.scale", "--sweep", str(n), "--nodes-on", nodes_on],
+                            tree, tree)[0] | {"rev": rev}
             print(json.dumps(old), flush=True)
-            new = sweep([n])[0] | {"rev": "this checkout"}
+            new = sweep([n], nodes_on=nodes_on)[0] | {"rev": "this checkout"}
             pairs.append((old, new))
     print(f"\nthis checkout against {rev}, same host, one after the other:")
     print("| nodes | result (old → new) | p99 round latency | global rounds: p99 of the answer "
@@ -725,7 +726,7 @@ def main(argv: list[str]) -> int:
             args = args[:k] + args[k + 2:]
         counts = [int(a) for a in args] or [64, 256, 512]
         if against is not None:
-            return compare(counts, against)
+            return compare(counts, against, nodes_on)
         rows = sweep(counts, nodes_on=nodes_on, sessions=sessions)
         return 0 if all(r["ok"] for r in rows) else 1
     quick = "--quick" in argv

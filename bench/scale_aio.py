@@ -42,6 +42,7 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
 
     from lsgd.local_server.global_client import CHANNEL_OPTIONS
     from lsgd.local_server.heartbeat import REPORT_EVERY
+    from lsgd.wire import SMALL_VECTOR
     from lsgd.proto import lsgd_pb2 as pb
     from lsgd.proto import lsgd_pb2_grpc as pb_grpc
     from lsgd.rules.base import RoundKind
@@ -86,6 +87,10 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
     async def push(buffer: int, rid: int, summands: int = 0) -> None:
         header = pb.PushHeader(node=node, round_id=rid, buffer=buffer, param_count=sc.param_count,
                                summands=summands)
+        if len(vec) < SMALL_VECTOR:  # a round's leader or sum, whole on the stream (as the node)
+            await session_call("push", pb.SessionUpload(header=header, data=vec),
+                               sc.round_timeout + RPC_TIMEOUT)
+            return
 
         async def requests():  # noqa: ANN202
             yield pb.PushParamsRequest(header=header)
@@ -94,6 +99,12 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
         await stub.PushParams(requests(), timeout=sc.round_timeout + RPC_TIMEOUT)
 
     async def pull(buffer: int, rid: int) -> None:
+        if 4 * sc.param_count < SMALL_VECTOR:  # whole, on the session stream (as the node)
+            chunk = await session_call("pull", pb.PullParamsRequest(
+                node=node, round_id=rid, buffer=buffer), sc.round_timeout + RPC_TIMEOUT)
+            if len(chunk.data) != 4 * sc.param_count:
+                raise RuntimeError(f"download of buffer {buffer}: {len(chunk.data)} bytes")
+            return
         got = 0
         async for chunk in stub.PullParams(pb.PullParamsRequest(
                 node=node, round_id=rid, buffer=buffer, chunk_elements=1 << 17),

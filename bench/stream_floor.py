@@ -76,12 +76,62 @@ def _serve_aio(port_q: "mp.Queue", threads: int) -> None:
     asyncio.run(main())
 
 
+def _serve_socket(port_q: "mp.Queue", threads: int) -> None:
+    """The same echo on a plain TCP socket under asyncio: a 4-byte length, then the message,
+    with an HMAC-SHA256 checked and made per message (as a signed session's would be)."""
+    import asyncio
+    import hashlib
+    import hmac
+
+    key = b"k" * 32
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readexactly(4)
+                body = await reader.readexactly(int.from_bytes(head, "big"))
+                msg, mac = body[:-32], body[-32:]
+                if not hmac.compare_digest(hmac.new(key, msg, hashlib.sha256).digest(), mac):
+                    break
+                out = msg + hmac.new(key, msg, hashlib.sha256).digest()
+                writer.write(len(out).to_bytes(4, "big") + out)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0, backlog=1024)
+        port_q.put(server.sockets[0].getsockname()[1])
+        await server.serve_forever()
+
+    asyncio.run(main())
+
+
+def _socket_caller(port: int, messages: int) -> None:
+    import hashlib
+    import hmac
+    import socket
+
+    key = b"k" * 32
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    f = s.makefile("rb")
+    for _ in range(messages):
+        out = PAYLOAD + hmac.new(key, PAYLOAD, hashlib.sha256).digest()
+        s.sendall(len(out).to_bytes(4, "big") + out)
+        n = int.from_bytes(f.read(4), "big")
+        f.read(n)
+    s.close()
+
+
 def _client(port: int, streams: int, messages: int, kind: str, out: "mp.Queue") -> None:
     import queue
 
     import grpc
 
     def one() -> None:
+        if kind == "socket":
+            return _socket_caller(port, messages)
         channel = grpc.insecure_channel(f"127.0.0.1:{port}")
         if kind == "stream":
             q: queue.SimpleQueue = queue.SimpleQueue()
@@ -112,7 +162,7 @@ def _client(port: int, streams: int, messages: int, kind: str, out: "mp.Queue") 
 def measure(server: str, kind: str, streams: int, messages: int) -> dict:
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
-    target = _serve_sync if server == "sync" else _serve_aio
+    target = {"sync": _serve_sync, "aio": _serve_aio, "socket": _serve_socket}[server]
     proc = ctx.Process(target=target, args=(port_q, streams + 16), daemon=True)
     proc.start()
     try:
@@ -150,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
             row = measure(server, kind, a.streams, a.messages)
             rows.append(row)
             print(json.dumps(row), flush=True)
+    row = measure("socket", "socket", a.streams, a.messages)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
     base = {r["kind"]: r["server_cpu_us_per_message"] for r in rows if r["server"] == "sync"}
     print(f"\nserver CPU per message, {a.streams} concurrent callers, load average "
           f"{os.getloadavg()[0]:.1f} at the end:")
@@ -159,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
         r = {x["kind"]: x["server_cpu_us_per_message"] for x in rows if x["server"] == server}
         print(f"| {server} | {r['stream']} µs ({r['stream'] / base['stream']:.2f}x) | "
               f"{r['unary']} µs ({r['unary'] / base['unary']:.2f}x) |")
+    r = rows[-1]["server_cpu_us_per_message"]
+    print(f"| asyncio, plain TCP socket, HMAC per message | {r} µs "
+          f"({r / base['stream']:.2f}x) | - |")
     return 0
 
 

@@ -52,7 +52,8 @@ _KEY_LABEL = b"lsgd call signing key v1"
 _MAC_LABEL = b"lsgd-call-v1"
 _SESSION_LABEL = b"lsgd-session-v1"
 SESSION_METHOD = "/lsgd.v1.GlobalServer/Session"
-ACQUIRE_FIELD, REPORT_FIELD, DIGEST_FIELD = 4, 5, 7  # SessionRequest's call fields
+# SessionRequest's call fields
+ACQUIRE_FIELD, REPORT_FIELD, DIGEST_FIELD, PULL_FIELD, PUSH_FIELD = 4, 5, 7, 8, 9
 
 
 def derive_key(secret: str) -> bytes:
@@ -167,7 +168,8 @@ class Verifier:
         """None if ``request``, a later message of the ``Session`` stream opened with ``nonce``,
         carries the MAC of its number and call; else why the stream is refused."""
         calls = ((ACQUIRE_FIELD, request.acquire), (REPORT_FIELD, request.report),  # type: ignore[attr-defined]
-                 (DIGEST_FIELD, request.digest))  # type: ignore[attr-defined]
+                 (DIGEST_FIELD, request.digest), (PULL_FIELD, request.pull),  # type: ignore[attr-defined]
+                 (PUSH_FIELD, request.push))  # type: ignore[attr-defined]
         field, body = next(((f, b) for f, b in calls if b), (REPORT_FIELD, b""))
         mac = session_mac(self._key, nonce, request.n, field, body)  # type: ignore[attr-defined]
         if not hmac.compare_digest(mac, request.mac):  # type: ignore[attr-defined]

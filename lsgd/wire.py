@@ -13,6 +13,7 @@ import numpy as np
 WIRE_FORMATS = ("float32", "bfloat16")  # encodings of parameter chunks on the wire
 
 MAX_MESSAGE = 8 * 1024 * 1024  # bytes; parameter chunks are at most 4 MiB (512 KiB by default)
+SMALL_VECTOR = 1 << 20  # bytes on the wire: a smaller vector moves whole on a Session stream
 # gRPC options both ends use: message limits and keepalive (a dead peer is seen in ~15 s even
 # between calls; nodes also send heartbeats every second).
 GRPC_OPTIONS = [

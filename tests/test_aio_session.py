@@ -306,7 +306,7 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
         message = st.one_of(
             st.binary(max_size=80),
             st.builds(lambda n, f, x: pb.SessionRequest(n=n, **{f: x}).SerializeToString(),
-                      st.integers(0, 5), st.sampled_from(["acquire", "report", "digest"]), body),
+                      st.integers(0, 5), st.sampled_from(["acquire", "report", "digest", "pull", "push"]), body),
             st.builds(lambda n, x, y: pb.SessionRequest(n=n, acquire=x, report=y).SerializeToString(),
                       st.integers(0, 3), body, body))
         before = (servicer.coord.done, {i: n.outstanding for i, n in servicer.coord.nodes.items()})
@@ -319,8 +319,8 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
             try:
                 for reply in call:  # every reply numbered: an answer, or a refusal's code
                     assert reply.n >= 1
-                    assert reply.code or any(reply.HasField(f) for f in ("acquire", "report",
-                                                                          "digest"))
+                    assert reply.code or any(reply.HasField(f) for f in (
+                        "acquire", "report", "digest", "pull", "push"))
             except grpc.RpcError as exc:
                 assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                       grpc.StatusCode.PERMISSION_DENIED,
@@ -330,8 +330,14 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
         stream_of()
         from lsgd.global_server.aio_session import MAX_MESSAGE as SESSION_MAX
 
-        assert SESSION_MAX < MAX_MESSAGE  # session messages are small: read nothing bigger
-        for big in ([b"\x00" * (SESSION_MAX + 1)], [opening, b"\x00" * (SESSION_MAX + 1)]):
+        from lsgd.wire import SMALL_VECTOR
+
+        limit = SMALL_VECTOR + SESSION_MAX  # a call beside a small vector: read nothing bigger
+        assert limit < MAX_MESSAGE
+        with pytest.raises(grpc.RpcError) as e:  # an opening is small: refused before its hash
+            list(raw(iter([b"\x00" * (SESSION_MAX + 1)]), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "opening" in e.value.details()
+        for big in ([b"\x00" * (limit + 1)], [opening, b"\x00" * (limit + 1)]):
             with pytest.raises(grpc.RpcError) as e:
                 list(raw(iter(big), timeout=10))
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

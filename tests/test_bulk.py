@@ -75,7 +75,7 @@ def test_a_vector_goes_up_and_comes_back_on_the_bulk_port(server):
     out = np.zeros(N, np.float32)
     c.pull("center", out, round_id=0)
     assert np.array_equal(out, v)
-    assert c.transfers.moved == {"bulk": 2, "grpc": 0}
+    assert c.transfers.moved == {"bulk": 2, "grpc": 0, "session": 0}
     _, received, sent = servicer.stats.copy()
     assert received == sent == v.nbytes
     assert counts(servicer, upload=1, download=1) == {"upload": 1, "download": 1, "refused": 0,
@@ -89,14 +89,16 @@ def test_a_vector_goes_up_and_comes_back_on_the_bulk_port(server):
     assert moved_in and float(moved_in.group(1)) == v.nbytes
 
 
-def test_a_small_model_stays_on_grpc():
+def test_a_small_model_stays_off_the_bulk_port():
+    """Below MIN_BULK an upload is a gRPC stream, and a download comes whole on the node's
+    session stream."""
     for servicer, addr, security in _server(None):
         c = joined(addr, security, n=1000)  # 4 KB: below MIN_BULK
         v = vector(1000)
         c.push("center", v, round_id=0)
         out = np.zeros(1000, np.float32)
         c.pull("center", out, round_id=0)
-        assert np.array_equal(out, v) and c.transfers.moved == {"bulk": 0, "grpc": 2}
+        assert np.array_equal(out, v) and c.transfers.moved == {"bulk": 0, "grpc": 1, "session": 1}
 
 
 def test_bfloat16_on_the_bulk_port_rounds_as_on_grpc(server):
@@ -110,7 +112,7 @@ def test_bfloat16_on_the_bulk_port_rounds_as_on_grpc(server):
     c.transfers.bulk_port = 0
     c.pull("center", grpc_out, round_id=0, wire="bfloat16")
     assert np.array_equal(bulk_out, grpc_out) and np.abs(bulk_out - v).max() < 0.05
-    assert c.transfers.moved == {"bulk": 2, "grpc": 1}
+    assert c.transfers.moved == {"bulk": 2, "grpc": 1, "session": 0}
 
 
 def test_refusals_carry_the_grpc_status_and_change_nothing(server):
@@ -131,7 +133,7 @@ def test_refusals_carry_the_grpc_status_and_change_nothing(server):
     with pytest.raises(grpc.RpcError) as e:
         c.push("center", vector(), round_id=0)
     assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert not servicer.params.center_ready and c.transfers.moved == {"bulk": 0, "grpc": 0}
+    assert not servicer.params.center_ready and c.transfers.moved == {"bulk": 0, "grpc": 0, "session": 0}
     assert counts(servicer, refused=4)["refused"] == 4
 
 
@@ -164,7 +166,7 @@ def test_a_port_that_does_not_answer_is_said_once_and_grpc_carries_the_vectors(s
         c.push("center", v, round_id=0)
         out = np.zeros(N, np.float32)
         c.pull("center", out, round_id=0)
-    assert np.array_equal(out, v) and c.transfers.moved == {"bulk": 0, "grpc": 2}
+    assert np.array_equal(out, v) and c.transfers.moved == {"bulk": 0, "grpc": 2, "session": 0}
     said = [r for r in caplog.records if "bulk port" in r.getMessage()]
     assert len(said) == 1 and str(dead) in said[0].getMessage()
 
@@ -177,7 +179,7 @@ def test_a_full_server_sends_that_transfer_over_grpc():
         c.push("center", v, round_id=0)
         out = np.zeros(N, np.float32)
         c.pull("center", out, round_id=0)
-        assert np.array_equal(out, v) and c.transfers.moved == {"bulk": 0, "grpc": 2}
+        assert np.array_equal(out, v) and c.transfers.moved == {"bulk": 0, "grpc": 2, "session": 0}
         assert counts(servicer, turned_away=2)["turned_away"] == 2
 
 
@@ -401,10 +403,10 @@ def test_a_port_that_failed_is_tried_again_later(server, monkeypatch, caplog):
         c.pull("center", out, round_id=0)  # within the minute: gRPC, not tried
         down[0] = False
         c.pull("center", out, round_id=0)  # still within it
-        assert c.transfers.moved == {"bulk": 0, "grpc": 3}
+        assert c.transfers.moved == {"bulk": 0, "grpc": 3, "session": 0}
         time.sleep(0.35)
         c.pull("center", out, round_id=0)  # tried again: the port answers
-    assert c.transfers.moved == {"bulk": 1, "grpc": 3} and np.array_equal(out, v)
+    assert c.transfers.moved == {"bulk": 1, "grpc": 3, "session": 0} and np.array_equal(out, v)
     assert "did not answer" in caplog.text and "answers again" in caplog.text
 
 

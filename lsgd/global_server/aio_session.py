@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 from ..proto import lsgd_pb2 as pb
 from ..security import _wrong_node
 from ..signing import SIGNATURE_KEY, Verifier
+from ..wire import SMALL_VECTOR
 from .admission import Limits, _host
 from .coordinator import CoordinatorError
 from .params import ParamError
@@ -53,8 +54,10 @@ log = logging.getLogger(__name__)
 SERVICE = "lsgd.v1.GlobalServer"
 METHOD = f"/{SERVICE}/Session"
 SERVER_SAID = (("lsgd-status", "server"),)  # trailing metadata of every status it sends
-MAX_MESSAGE = 64 * 1024  # bytes; a session message carries one small call (about 100 B)
+MAX_MESSAGE = 64 * 1024  # bytes; an opening, or a call (about 100 B) beside a small vector
 DIGEST_POLL = 0.05  # seconds between looks while a digest question waits
+PULL_TICK = 0.2  # seconds a download waits for the store's news before it looks again
+CREDITS, ROUNDS, PARAMS = 0, 1, 2  # what a waiter waits for news of
 START_WAIT = 10.0  # seconds the server may take to start listening
 
 
@@ -95,7 +98,7 @@ class SessionServer:
         self._server = None
         self._thread: threading.Thread | None = None
         self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="lsgd-digest")
-        self._waiters: tuple[set, set] = (set(), set())  # futures of credit polls, barriers
+        self._waiters: tuple[set, set, set] = (set(), set(), set())  # by CREDITS, ROUNDS, PARAMS
         self._open: set[_Stream] = set()
         self._pending: Counter[str] = Counter()  # host -> streams whose opening is unchecked
         self._by_node: dict[int, _Stream] = {}
@@ -112,11 +115,13 @@ class SessionServer:
         except futures.TimeoutError:
             raise OSError(f"the session server did not start within {START_WAIT:g} s") from None
         self.s.on_news = self._news
+        self.s.params.on_change = self._param_news
         return self.port
 
     def stop(self, grace: float = 1.0) -> None:
         """Stop serving: the open streams end (their nodes open new ones, or are gone)."""
         self.s.on_news = None
+        self.s.params.on_change = None
         loop = self._loop
         alive = self._thread is not None and self._thread.is_alive()
         if loop is not None and self._server is not None and alive and not loop.is_closed():
@@ -178,28 +183,37 @@ class SessionServer:
     # ------------------------------------------------------------------ news
     def _news(self, closed: bool) -> None:
         """The servicer's state changed (any thread, its lock held): wake the polls after it."""
+        self._wake((CREDITS, ROUNDS) if closed else (CREDITS,))
+
+    def _param_news(self) -> None:
+        """The parameter store's state changed (any thread, its lock held): a download it
+        held back may be ready."""
+        self._wake((PARAMS,))
+
+    def _wake(self, kinds: tuple[int, ...]) -> None:
         loop = self._loop
         if loop is None or loop.is_closed():
             return
         try:
-            loop.call_soon_threadsafe(self._fire, closed)
+            loop.call_soon_threadsafe(self._fire, kinds)
         except RuntimeError:  # the loop closed meanwhile
             pass
 
-    def _fire(self, closed: bool) -> None:
-        for kind in ((0, 1) if closed else (0,)):
+    def _fire(self, kinds: tuple[int, ...]) -> None:
+        for kind in kinds:
             waiters = list(self._waiters[kind])
             self._waiters[kind].clear()
             for w in waiters:
                 if not w.done():
                     w.set_result(True)
 
-    async def _wait(self, news_only: bool, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for news (registered before the caller's lock was
-        released: call it right after the step). False when none came."""
+    async def _wait(self, kind: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for news of ``kind`` (registered before the news
+        that came during the caller's step is fired: call it right after the step). False
+        when none came."""
         loop = self._loop
         w = loop.create_future()
-        waiters = self._waiters[1 if news_only else 0]
+        waiters = self._waiters[kind]
         waiters.add(w)
         timer = loop.call_later(timeout, lambda: w.done() or w.set_result(False))
         try:
@@ -253,7 +267,11 @@ class SessionServer:
             self._close(stream)
 
     async def _opening(self, raw: bytes, context) -> pb.SessionRequest:  # noqa: ANN001
-        """Message 0, checked as ``CallCheck`` and ``session.serve`` check it."""
+        """Message 0, checked as ``CallCheck`` and ``session.serve`` check it (a large one is
+        refused before it is hashed: only later messages may carry a vector)."""
+        if len(raw) > MAX_MESSAGE:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                              f"a session stream's opening is at most {MAX_MESSAGE} bytes")
         if self.verifier is not None:
             signature = next((v for k, v in context.invocation_metadata() or ()
                               if k == SIGNATURE_KEY), None)
@@ -287,6 +305,10 @@ class SessionServer:
             try:
                 if field_ == "digest":
                     answer = await self._digest(call, ctx)
+                elif field_ == "pull":
+                    answer = await self._pull(call, ctx)
+                elif field_ == "push":  # a round's leader or sum: taken without a wait
+                    answer = self.s.SessionPush(call, ctx)
                 else:
                     answer = await self._poll(CreditPoll(self.s, call) if field_ == "acquire"
                                               else RoundBarrier(self.s, call))
@@ -306,7 +328,23 @@ class SessionServer:
                 wait = poll.wait()
             if answer is not None:
                 return answer
-            timed_out = not await self._wait(poll.news_only, wait)
+            timed_out = not await self._wait(ROUNDS if poll.news_only else CREDITS, wait)
+
+    async def _pull(self, call: pb.PullParamsRequest, ctx: _LoopContext) -> pb.ParamChunk:
+        """A small download: checked, then read whole on the loop as soon as it is ready (the
+        store's news wakes it; ``PULL_TICK`` lets an exchange's deadline pass), holding no
+        thread while it waits; refused when not ready within the round time-out."""
+        buffer, wire = self.s.small_download_check(call, ctx)
+        end = self._loop.time() + self.s.round_timeout
+        while True:
+            data = self.s.small_download(call, buffer, wire, 0.0)
+            if data is not None:
+                return pb.ParamChunk(offset=0, data=data)
+            left = end - self._loop.time()
+            if left <= 0:
+                raise ParamError("DEADLINE_EXCEEDED", f"{buffer} of round {call.round_id} not "
+                                 f"ready within {self.s.round_timeout:g} s")
+            await self._wait(PARAMS, min(left, PULL_TICK))
 
     async def _digest(self, call: pb.DigestRequest, ctx: _LoopContext) -> pb.DigestResponse:
         """A ``Digest`` call: its checks on the loop; its answer looked at every
@@ -397,9 +435,10 @@ class SessionServer:
 
 
 def _options() -> list:
-    """The synchronous server's options, with a message limit for session messages (an
-    8 MiB opening would be read and hashed on the loop before it is refused)."""
+    """The synchronous server's options, with message limits for session messages: a call,
+    or a small vector whole (an 8 MiB message would be read on the loop before its refusal)."""
     from .server import SERVER_OPTIONS
 
-    limits = ("grpc.max_receive_message_length", "grpc.max_send_message_length")
-    return [o for o in SERVER_OPTIONS if o[0] not in limits] + [(k, MAX_MESSAGE) for k in limits]
+    limits = {"grpc.max_receive_message_length": SMALL_VECTOR + MAX_MESSAGE,
+              "grpc.max_send_message_length": SMALL_VECTOR + MAX_MESSAGE}
+    return [o for o in SERVER_OPTIONS if o[0] not in limits] + list(limits.items())

@@ -79,6 +79,15 @@ class ParamStore(DeltaMixin, SavedParams):
         self.deltas = DeltaLedger()  # asynchronous rules' center deltas (deltas.py)
         self.mail: Mailboxes | None = None  # gossip rules' mail between nodes (mail.py)
         self.digests = LeaderDigests()  # PLANE=chain: each round's leader, as its source sent it
+        # Called (lock held, any thread) whenever a download may have become ready or never
+        # will: the session server wakes the downloads it holds on its loop (aio_session.py).
+        self.on_change: Callable[[], None] | None = None
+
+    def _changed(self) -> None:
+        """Wake whatever waits on this store's state (lock held)."""
+        self._cond.notify_all()
+        if self.on_change is not None:
+            self.on_change()
 
     def check_param_count(self, count: int) -> None:
         """Raise ParamError unless a node with ``count`` parameters may join."""
@@ -160,7 +169,7 @@ class ParamStore(DeltaMixin, SavedParams):
                                      participants=dict(reports), average=average, reduce=reduce,
                                      leader_route=leader_uploader is not None)
             self._maybe_settle()
-            self._cond.notify_all()
+            self._changed()
 
     def fail(self, round_id: int, why: str) -> None:
         """The exchange of round ``round_id`` cannot complete (PLANE=chain: its reduce was
@@ -171,7 +180,7 @@ class ParamStore(DeltaMixin, SavedParams):
                 ex.failed.append(why)
                 ex.sums_ok = False
                 self._maybe_settle()
-                self._cond.notify_all()
+                self._changed()
 
     def settled(self, round_id: int) -> bool:
         """Whether the exchange of round ``round_id`` is over (or was never started)."""
@@ -211,7 +220,7 @@ class ParamStore(DeltaMixin, SavedParams):
                 ex.center_ok = self._update_center(ex.round_id, self.buffers[SUM], weight,
                                                    ex.summands)
                 self.versions[CENTER] += 2
-        self._cond.notify_all()
+        self._changed()
 
     def _update_center(self, round_id: int, total: np.ndarray, weight: float, count: int) -> bool:
         """``Rule.update_`` (under the lock). A rule that raises or makes the center
@@ -324,7 +333,7 @@ class ParamStore(DeltaMixin, SavedParams):
                     self.versions[buffer] += 1
                 if ex is None:
                     self._seeding = False
-                    self._cond.notify_all()
+                    self._changed()
                 if ex is not None:
                     ex.in_flight.discard((node, buffer))
                     if not ex.settled:
@@ -347,7 +356,7 @@ class ParamStore(DeltaMixin, SavedParams):
                 else:
                     ex.leader_ok = True
                 self._maybe_settle()
-            self._cond.notify_all()
+            self._changed()
 
     def _receive(self, target: np.ndarray, chunks: Iterable[tuple[int, bytes]], add: bool,
                  exchange: Exchange | None, dtype: np.dtype = np.dtype("<f4")) -> None:

@@ -4,7 +4,10 @@ session.
 A unary call costs the server far more than a message on an open stream (HTTP/2 stream set-up,
 metadata, the interceptors, a thread hand-off: ``../shared/reference/limits.md``), and the node
 loop makes its calls one at a time anyway. So a node opens one stream and sends each
-``AcquireCredits`` / ``ReportRound`` / ``Digest`` on it; the server answers each with one reply.
+``AcquireCredits`` / ``ReportRound`` / ``Digest`` on it, and its transfers of small vectors
+(less than 1 MiB on the wire, ``lsgd.wire.SMALL_VECTOR``: a download's reply carries the vector
+whole, and so does an upload of a round's leader or sum, where ``PullParams`` / ``PushParams``
+would open a stream of their own); the server answers each with one reply.
 
 - Message 0 opens the stream: the node and a 16-byte nonce. The stream's signature covers it;
   ``lsgd.security.CallCheck`` checks every later message's MAC (``lsgd.signing``).
@@ -60,7 +63,11 @@ class CallContext:
 # A message's call field -> (the method, its request type).
 CALLS = {"acquire": ("AcquireCredits", pb.AcquireCreditsRequest),
          "report": ("ReportRound", pb.ReportRoundRequest),
-         "digest": ("Digest", pb.DigestRequest)}
+         "digest": ("Digest", pb.DigestRequest),
+         "pull": ("PullParams", pb.PullParamsRequest),
+         "push": ("PushParams", pb.SessionUpload)}
+# A call whose servicer method is not its unary form's (a small vector moves whole).
+HANDLERS = {"pull": "SessionPull", "push": "SessionPush"}
 
 
 def opening_error(first: pb.SessionRequest | None) -> str | None:
@@ -129,10 +136,11 @@ def parse_call(node: pb.NodeId, req: pb.SessionRequest) -> tuple[str, object]:
     except DecodeError:
         raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"session message {req.n}: its call does not parse") from None
-    if call.node != node:
+    who = call.header.node if field == "push" else call.node
+    if who != node:
         raise Refused(grpc.StatusCode.PERMISSION_DENIED,
-                      f"session message {req.n} is for node {call.node.node_index} session "
-                      f"{call.node.session}; this stream is node {node.node_index} session "
+                      f"session message {req.n} is for node {who.node_index} session "
+                      f"{who.session}; this stream is node {node.node_index} session "
                       f"{node.session}'s (open a stream per session)")
     return field, call
 
@@ -141,4 +149,4 @@ def _answer(servicer: "GlobalServicer", node: pb.NodeId, req: pb.SessionRequest,
             ctx: CallContext) -> tuple[str, object]:
     """The reply's field and the call's answer; ``Refused`` when it is refused."""
     field, call = parse_call(node, req)
-    return field, getattr(servicer, CALLS[field][0])(call, ctx)
+    return field, getattr(servicer, HANDLERS.get(field, CALLS[field][0]))(call, ctx)

@@ -14,12 +14,14 @@ from ..proto import lsgd_pb2 as pb
 from .buffers import DELTA, MAIL
 from .coordinator import CoordinatorError
 from .digests import SIZE as DIGEST_SIZE
+from ..wire import SMALL_VECTOR
 from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, _wire_dtype
 
 BUFFERS = {pb.BUFFER_KIND_GLOBAL_LEADER: LEADER, pb.BUFFER_KIND_CENTER: CENTER,
            pb.BUFFER_KIND_NODE_SUM: SUM, pb.BUFFER_KIND_AVERAGE: AVERAGE,
            pb.BUFFER_KIND_CENTER_DELTA: DELTA, pb.BUFFER_KIND_MAIL: MAIL}
 PULLABLE = {LEADER, CENTER, AVERAGE, MAIL}
+SESSION_UPLOADS = {LEADER, SUM}  # a round's own uploads: taken without a wait
 WIRES = {pb.WIRE_FORMAT_UNSPECIFIED: "float32", pb.WIRE_FORMAT_BFLOAT16: "bfloat16"}
 DEFAULT_CHUNK = 1 << 17  # elements per download chunk when the client names none (512 KiB)
 MAX_CHUNK = 1 << 20  # 4 MiB of float32: within the 8 MiB message limit
@@ -176,16 +178,7 @@ class TransferRPCs:
         job's model size is not known, bytes per element on the wire, the chunks). The chunks wait until the buffer is ready for the
         round; a refusal then is ``context.abort`` too. ``views``: chunks are views of the
         server's buffer (sent at once, before the next is asked for), not copies."""
-        buffer = BUFFERS.get(request.buffer)
-        if buffer not in PULLABLE or buffer == MAIL:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot download buffer {request.buffer}")
-        wire = WIRES.get(request.wire_format)
-        if wire is None:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"unknown wire format {request.wire_format}")
-        self._call(context, lambda: (self._check(request.node),
-                                     self.coord.heartbeat(request.node.node_index,
-                                                          request.node.session, self.clock())))
+        buffer, wire = self._download_checks(request, context)
         if not 1 <= chunk <= MAX_CHUNK:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
@@ -199,6 +192,88 @@ class TransferRPCs:
                 _abort(context, exc)
 
         return count, _wire_dtype(wire).itemsize, chunks()
+
+    def _download_checks(self, request: pb.PullParamsRequest,
+                         context: grpc.ServicerContext) -> tuple[str, str]:
+        """A download's checks (not mail): its buffer and wire format."""
+        buffer = BUFFERS.get(request.buffer)
+        if buffer not in PULLABLE or buffer == MAIL:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot download buffer {request.buffer}")
+        wire = WIRES.get(request.wire_format)
+        if wire is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"unknown wire format {request.wire_format}")
+        self._call(context, lambda: (self._check(request.node),
+                                     self.coord.heartbeat(request.node.node_index,
+                                                          request.node.session, self.clock())))
+        return buffer, wire
+
+    # ------------------------------------------------------------------ on a session stream
+    def small_download_check(self, request: pb.PullParamsRequest,
+                             context: grpc.ServicerContext) -> tuple[str, str]:
+        """A download asked for on a ``Session`` stream, checked: (buffer, wire). Only a vector
+        of less than ``SMALL_VECTOR`` bytes on the wire comes whole in one reply; a larger
+        one, or mail, is refused with what to use instead."""
+        if BUFFERS.get(request.buffer) == MAIL:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          "mail is downloaded with PullParams, not on a session stream")
+        buffer, wire = self._download_checks(request, context)
+        count = self.params.param_count
+        if count is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "no node has joined: the job's "
+                          "model size is not known yet")
+        size = count * _wire_dtype(wire).itemsize
+        if size >= SMALL_VECTOR:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a vector of {size} bytes is too large for a session message (less "
+                          f"than {SMALL_VECTOR} only): download it with PullParams or on the "
+                          "bulk port")
+        return buffer, wire
+
+    def small_download(self, request: pb.PullParamsRequest, buffer: str, wire: str,
+                       timeout: float) -> bytes | None:
+        """The whole of a checked small download (``small_download_check``), once it is ready
+        within ``timeout`` seconds (0: now, or None when it is not ready yet); ``ParamError``
+        when it never will be, or it changed while read."""
+        count = self.params.param_count or 0
+        try:
+            data = b"".join(bytes(d) for _, d in self.params.pull(
+                request.round_id, buffer, max(count, 1), timeout=timeout, wire=wire))
+        except ParamError as exc:
+            if timeout == 0 and exc.code == "DEADLINE_EXCEEDED":
+                return None  # not ready yet
+            raise
+        self.stats.moved(sent=len(data))
+        return data
+
+    def SessionPush(self, request: pb.SessionUpload,
+                    context: grpc.ServicerContext) -> pb.PushParamsResponse:
+        """A small upload on a ``Session`` stream: a round's leader or sum, whole (the other
+        uploads may wait, e.g. for another seed of the center, and go on ``PushParams``)."""
+        h = request.header
+        if BUFFERS.get(h.buffer) not in SESSION_UPLOADS:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"only a round's leader or sum is uploaded on a session stream, not "
+                          f"buffer {h.buffer}: upload it with PushParams")
+        if len(request.data) >= SMALL_VECTOR:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"a vector of {len(request.data)} bytes is too large for a session "
+                          f"message (less than {SMALL_VECTOR} only): upload it with PushParams "
+                          "or on the bulk port")
+        self.take_upload(h, iter(((0, request.data),)), context)
+        self.stats.moved(received=len(request.data))
+        return pb.PushParamsResponse()
+
+    def SessionPull(self, request: pb.PullParamsRequest,
+                    context: grpc.ServicerContext) -> pb.ParamChunk:
+        """A small download on a ``Session`` stream of the synchronous server (its thread
+        waits, as ``PullParams``'s does)."""
+        buffer, wire = self.small_download_check(request, context)
+        try:
+            data = self.small_download(request, buffer, wire, self.round_timeout)
+        except ParamError as exc:
+            _abort(context, exc)
+        return pb.ParamChunk(offset=0, data=data)
 
     def _post_mail(self, h: pb.PushHeader, chunks, wire: str) -> None:
         """A gossip rule's mail for a random other node (``mail.py``)."""

@@ -24,11 +24,12 @@ from ..security import Security
 from ..signing import derive_key
 from ..wire import GRPC_OPTIONS
 from .session_stream import SessionStream
-from .transfer_client import ParamTransfers
+from .transfer_client import BUFFER_KINDS, WIRE_FORMATS, ParamTransfers
 
 log = logging.getLogger(__name__)
 
 RPC_TIMEOUT = 10.0  # seconds for short calls
+SESSION_UPLOADS = {"global_leader", "sum"}  # a round's own: the server takes them without a wait
 PORT_PROBE = 3.0  # seconds a node gives the server's session port to connect, once per server
 CHANNEL_OPTIONS = GRPC_OPTIONS + [("grpc.enable_retries", 0)]  # retries are ours, explicit
 
@@ -98,6 +99,7 @@ class GlobalClient:
         self._key = derive_key(security.secret) if security.secret else None
         self._stream: SessionStream | None = None
         self._stream_lock = threading.Lock()
+        self._call_lock = threading.RLock()  # one call at a time on the stream
         # The server's asyncio port for session streams (JoinResponse.session_port; 0: none, or
         # it could not be reached: the streams go to ``address`` then).
         self._security = security
@@ -156,9 +158,14 @@ class GlobalClient:
                 self.on_stopped(reason)
 
     def _on_stream(self, field: str, request, timeout: float):  # noqa: ANN001, ANN201
-        """Make a credit ("acquire"), round ("report") or digest ("digest") call on this session's stream,
-        opening one first if there is none (or it broke, or the session changed). One call at
-        a time (the node loop's); ``close`` from another thread ends a call in progress."""
+        """Make a credit ("acquire"), round ("report"), digest ("digest") or small download
+        ("pull") call on this session's stream, opening one first if there is none (or it
+        broke, or the session changed). One call at a time; ``close`` from another thread ends
+        a call in progress."""
+        with self._call_lock:
+            return self._stream_call(field, request, timeout)
+
+    def _stream_call(self, field: str, request, timeout: float):  # noqa: ANN001, ANN201
         with self._stream_lock:
             s = self._stream
             if s is None or s.ended or s.node.session != self.session:
@@ -185,7 +192,7 @@ class GlobalClient:
                 raise  # it may have arrived: the node loop's retry rules decide
             # it never reached the server: the same call on PORT (a retry of a numbered
             # credit request, a report or a digest question gets the same answer anyway)
-            return self._on_stream(field, request, timeout)
+            return self._stream_call(field, request, timeout)
 
     def _same_server_answers(self) -> bool:
         """Whether the server process this node joined answers on ``PORT`` (it connects within
@@ -349,16 +356,45 @@ class GlobalClient:
         """Upload ``vec`` (a flat float32 view) as the node's ``buffer`` for ``round_id``.
 
         ``wire="bfloat16"`` sends half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
-        On the server's bulk port when it has one, else a gRPC stream (``transfer_client.py``).
+        A round's small leader or sum goes whole on the session stream, when no other call
+        holds it; a large vector on the server's bulk port when it has one, else a gRPC stream
+        (``transfer_client.py``).
         """
-        self.transfers.push(self._node(), buffer, vec, round_id, summands, wire, weight)
+        t = self.transfers
+        if buffer in SESSION_UPLOADS and t.small(vec, wire) and self._call_lock.acquire(blocking=False):
+            try:
+                header = pb.PushHeader(node=self._node(), round_id=round_id,
+                                       buffer=BUFFER_KINDS[buffer], param_count=vec.size,
+                                       summands=summands, wire_format=WIRE_FORMATS[wire],
+                                       weight=weight)
+                self._on_stream("push", pb.SessionUpload(header=header, data=t.encode(vec, wire)),
+                                self.round_timeout + RPC_TIMEOUT)
+            finally:
+                self._call_lock.release()
+            t.moved["session"] += 1
+            return
+        t.push(self._node(), buffer, vec, round_id, summands, wire, weight)
 
     def pull(self, buffer: str, out: np.ndarray, round_id: int, wire: str = "float32") -> None:
         """Download the server's ``buffer`` for ``round_id`` into ``out`` (a flat float32 view).
 
         ``wire="bfloat16"`` receives half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
+        A small vector comes whole on the session stream, when no other call holds it (a
+        credit long-poll of the node loop, for an asynchronous rule's own thread); a large one
+        on the bulk port or a gRPC stream (``transfer_client.py``).
         """
-        self.transfers.pull(self._node(), buffer, out, round_id, wire)
+        t = self.transfers
+        if buffer != "mail" and t.small(out, wire) and self._call_lock.acquire(blocking=False):
+            try:
+                request = pb.PullParamsRequest(node=self._node(), round_id=round_id,
+                                               buffer=BUFFER_KINDS[buffer],
+                                               wire_format=WIRE_FORMATS[wire])
+                chunk = self._on_stream("pull", request, self.round_timeout + RPC_TIMEOUT)
+            finally:
+                self._call_lock.release()
+            t.fill(out, chunk.data, wire)
+            return
+        t.pull(self._node(), buffer, out, round_id, wire)
 
     def push_mail(self, vec: np.ndarray, number: int, weight: float) -> None:
         """Send a gossip rule's mail ``number`` (``vec`` = sum of weight * x) to a random

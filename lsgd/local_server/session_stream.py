@@ -22,9 +22,11 @@ from typing import Iterator
 import grpc
 
 from ..proto import lsgd_pb2 as pb
-from ..signing import ACQUIRE_FIELD, DIGEST_FIELD, REPORT_FIELD, session_mac
+from ..signing import (ACQUIRE_FIELD, DIGEST_FIELD, PULL_FIELD, PUSH_FIELD, REPORT_FIELD,
+                       session_mac)
 
-FIELDS = {"acquire": ACQUIRE_FIELD, "report": REPORT_FIELD, "digest": DIGEST_FIELD}
+FIELDS = {"acquire": ACQUIRE_FIELD, "report": REPORT_FIELD, "digest": DIGEST_FIELD,
+          "pull": PULL_FIELD, "push": PUSH_FIELD}
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -66,7 +68,8 @@ class SessionStream:
             yield msg
 
     def call(self, field: str, body: bytes, timeout: float):  # noqa: ANN201 - the answer message
-        """Send one call (``field``: "acquire", "report" or "digest"; ``body``: the serialized request)
+        """Send one call (``field``: "acquire", "report", "digest", "pull" or "push"; ``body``: the
+        serialized request)
         and return its answer; ``grpc.RpcError`` when it fails."""
         if self.broken:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the session stream is closed")

@@ -33,7 +33,7 @@ import numpy as np
 from ..plane import bulk
 from ..plane.wire import Stalled, TransferError
 from ..proto import lsgd_pb2 as pb
-from ..wire import aligned_empty, steady_heap, wire_dtype
+from ..wire import SMALL_VECTOR, aligned_empty, steady_heap, wire_dtype
 
 log = logging.getLogger("lsgd.local_server.global_client")
 
@@ -42,7 +42,7 @@ log = logging.getLogger("lsgd.local_server.global_client")
 CHUNK = 1 << 17  # upload
 PULL_CHUNK = 1 << 17  # download, asked of the server
 BULK_CHUNK = 1 << 18  # elements per chunk on the bulk port (1 MiB of float32)
-MIN_BULK = 1 << 20  # bytes: smaller vectors stay on gRPC (a connection costs more than it saves)
+MIN_BULK = SMALL_VECTOR  # bytes: smaller vectors move on the session stream (a connection costs more than it saves)
 BULK_CONNECT = 3.0  # seconds a node gives the bulk port to connect
 BULK_STALL = 15.0  # seconds without progress once the vector moves (as gRPC's keepalive finds)
 RETRY_FIRST, RETRY_MOST = 60.0, 600.0  # seconds on gRPC before a port that failed is tried again
@@ -93,7 +93,7 @@ class ParamTransfers:
         self._retry_at = 0.0  # ... this time (monotonic), when the port is tried again
         self._retry_delay = RETRY_FIRST
         self._sock: socket.socket | None = None  # the bulk transfer in progress
-        self.moved = {"bulk": 0, "grpc": 0}  # transfers made on each path
+        self.moved = {"bulk": 0, "grpc": 0, "session": 0}  # transfers made on each path
 
     def use_bulk_port(self, epoch: int, port: int) -> None:
         """What a join answered: the server process (``epoch``) and its bulk port."""
@@ -177,6 +177,30 @@ class ParamTransfers:
         if pos != out.size:
             raise ValueError(f"download of {buffer} ended at {pos} of {out.size} elements")
         self.moved["grpc"] += 1
+
+    @staticmethod
+    def small(out: np.ndarray, wire: str) -> bool:
+        """Whether ``out`` is small enough to move whole on the session stream (less than
+        ``SMALL_VECTOR`` bytes on the wire)."""
+        return out.ndim == 1 and out.size * wire_dtype(wire).itemsize < SMALL_VECTOR
+
+    @staticmethod
+    def encode(vec: np.ndarray, wire: str) -> bytes:
+        """A small upload's bytes: ``vec`` in the ``wire`` encoding."""
+        dtype = wire_dtype(wire)
+        if vec.dtype != dtype or not vec.flags.c_contiguous:
+            vec = np.asarray(vec).astype(dtype)  # bfloat16: rounded to nearest even
+        return vec.view(np.uint8).tobytes()  # raw bytes (also for dtypes without a buffer format)
+
+    def fill(self, out: np.ndarray, data: bytes, wire: str) -> None:
+        """A small download that came whole (``data``, in the ``wire`` encoding) into ``out``;
+        ``ValueError`` when its size is not ``out``'s."""
+        dtype = wire_dtype(wire)
+        if len(data) != out.size * dtype.itemsize:
+            raise ValueError(f"a download of {len(data)} bytes of {wire} for a vector of "
+                             f"{out.size}")
+        np.copyto(out, np.frombuffer(data, dtype), casting="unsafe")
+        self.moved["session"] += 1
 
     def pull_mail(self, node: pb.NodeId, number: int, out: np.ndarray) -> float:
         """Delivery ``number`` of this node's mail into ``out`` (gRPC: it comes with its

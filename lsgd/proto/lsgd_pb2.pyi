@@ -427,7 +427,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, counter: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("n", "node", "nonce", "acquire", "report", "mac", "digest")
+    __slots__ = ("n", "node", "nonce", "acquire", "report", "mac", "digest", "pull", "push")
     N_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -435,6 +435,8 @@ class SessionRequest(_message.Message):
     REPORT_FIELD_NUMBER: _ClassVar[int]
     MAC_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     n: int
     node: NodeId
     nonce: bytes
@@ -442,20 +444,34 @@ class SessionRequest(_message.Message):
     report: bytes
     mac: bytes
     digest: bytes
-    def __init__(self, n: _Optional[int] = ..., node: _Optional[_Union[NodeId, _Mapping]] = ..., nonce: _Optional[bytes] = ..., acquire: _Optional[bytes] = ..., report: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., digest: _Optional[bytes] = ...) -> None: ...
+    pull: bytes
+    push: bytes
+    def __init__(self, n: _Optional[int] = ..., node: _Optional[_Union[NodeId, _Mapping]] = ..., nonce: _Optional[bytes] = ..., acquire: _Optional[bytes] = ..., report: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., pull: _Optional[bytes] = ..., push: _Optional[bytes] = ...) -> None: ...
+
+class SessionUpload(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("n", "acquire", "report", "code", "details", "digest")
+    __slots__ = ("n", "acquire", "report", "code", "details", "digest", "pull", "push")
     N_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     DETAILS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PULL_FIELD_NUMBER: _ClassVar[int]
+    PUSH_FIELD_NUMBER: _ClassVar[int]
     n: int
     acquire: AcquireCreditsResponse
     report: ReportRoundResponse
     code: int
     details: str
     digest: DigestResponse
-    def __init__(self, n: _Optional[int] = ..., acquire: _Optional[_Union[AcquireCreditsResponse, _Mapping]] = ..., report: _Optional[_Union[ReportRoundResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., digest: _Optional[_Union[DigestResponse, _Mapping]] = ...) -> None: ...
+    pull: ParamChunk
+    push: PushParamsResponse
+    def __init__(self, n: _Optional[int] = ..., acquire: _Optional[_Union[AcquireCreditsResponse, _Mapping]] = ..., report: _Optional[_Union[ReportRoundResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., digest: _Optional[_Union[DigestResponse, _Mapping]] = ..., pull: _Optional[_Union[ParamChunk, _Mapping]] = ..., push: _Optional[_Union[PushParamsResponse, _Mapping]] = ...) -> None: ...

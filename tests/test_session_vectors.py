@@ -1,0 +1,265 @@
+"""Small vectors on the Session stream (issue 15): a vector of less than 1 MiB on the wire
+moves whole in one message on the node's stream, on both servers, instead of a PullParams or
+PushParams stream of its own. A download waits for its round as PullParams does (on the asyncio
+server without holding a thread); only a round's leader or sum is uploaded there (the other
+uploads may wait); each is refused when too large, and its MAC covers its own call field.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from lsgd.config import JobConfig
+from lsgd.global_server.server import build_servicer, create_server
+from lsgd.local_server.global_client import GlobalClient
+from lsgd.proto import lsgd_pb2 as pb
+from lsgd.security import Security
+from lsgd.rules.base import RoundKind
+from lsgd.signing import ACQUIRE_FIELD, PULL_FIELD, PUSH_FIELD, derive_key, session_mac
+from tests.test_session_stream import SECRET, Served, _raw_stream
+
+N = 1000  # elements: 4 KB, far below the bulk port's and the session's bounds
+
+
+@pytest.fixture(params=["sync", "aio"])
+def transport(request):
+    return request.param
+
+
+@pytest.fixture(params=["plain", "secret"])
+def server(request, transport):
+    security = Security(secret=SECRET) if request.param == "secret" else Security()
+    config = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="easgd",
+                       round_timeout=1.5)
+    servicer = build_servicer(config)
+    srv, port = create_server("127.0.0.1:0", servicer, security=security, bulk_address=None,
+                              session_address="127.0.0.1:0" if transport == "aio" else None)
+    yield Served(servicer, f"127.0.0.1:{port}", security, srv)
+    srv.stop(grace=0.5).wait(5)
+
+
+def _joined(addr: str, security: Security, node: int, n: int = N) -> GlobalClient:
+    c = GlobalClient(addr, "job", node, round_timeout=1.5, security=security)
+    c.join(workers=2, param_count=n, algorithm="easgd", num_groups=2, connect_timeout=5)
+    return c
+
+
+def _vector(n: int = N) -> np.ndarray:
+    return np.random.default_rng(7).standard_normal(n).astype(np.float32)
+
+
+def test_a_small_download_comes_whole_on_the_stream_once_it_is_ready(server):
+    """The center is not seeded yet: the download waits (another node's calls are answered
+    meanwhile), and comes whole once the center is uploaded."""
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    v, out, got = _vector(), np.zeros(N, np.float32), {}
+
+    def pull() -> None:
+        t0 = time.monotonic()
+        a.pull("center", out, round_id=0)
+        got["s"] = time.monotonic() - t0
+
+    t = threading.Thread(target=pull)
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive()  # waiting for the center
+    t0 = time.monotonic()
+    b.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+    assert time.monotonic() - t0 < 0.5  # the wait holds up nobody else
+    b.push("center", v, round_id=0)
+    t.join(5)
+    assert not t.is_alive() and np.array_equal(out, v) and got["s"] >= 0.3
+    assert a.transfers.moved == {"bulk": 0, "grpc": 0, "session": 1}
+    assert servicer.calls.counts["PullParams"] == 1 and servicer.calls.counts["Session"] == 2
+    assert servicer.stats.copy()[2] == v.nbytes  # bytes sent
+    a.close(), b.close()
+
+
+def test_a_download_never_ready_is_deadline_exceeded_and_the_stream_goes_on(server):
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        a.pull("center", np.zeros(N, np.float32), round_id=0)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "not" in e.value.details()
+    assert 1.4 < time.monotonic() - t0 < 5  # the round time-out, 1.5 s
+    stream = a._stream
+    assert a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0,
+                     max_wait=0).grant > 0
+    assert a._stream is stream  # refused a call, not the stream
+    a.close(), b.close()
+
+
+def test_bfloat16_comes_whole_rounded_as_on_a_pull_stream(server):
+    pytest.importorskip("ml_dtypes")
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    v = _vector()
+    b.push("center", v, round_id=0)
+    whole, streamed = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    a.pull("center", whole, round_id=0, wire="bfloat16")
+    a.transfers.pull(a._node(), "center", streamed, 0, "bfloat16")  # its PullParams stream
+    assert np.array_equal(whole, streamed) and np.abs(whole - v).max() < 0.05
+    assert a.transfers.moved == {"bulk": 0, "grpc": 1, "session": 1}
+    a.close(), b.close()
+
+
+def test_a_large_vector_or_mail_asked_on_the_stream_is_refused_and_the_node_streams_it(server):
+    """1 MiB or more does not come on a session message: refused (INVALID_ARGUMENT) when asked
+    for there; the node's own ``pull`` sends such a vector on PullParams (no bulk port here)."""
+    servicer, addr, security = server
+    n = (1 << 20) // 4  # 1 MiB of float32
+    a, b = _joined(addr, security, 0, n), _joined(addr, security, 1, n)
+    v = _vector(n)
+    b.push("center", v, round_id=0)
+    for buffer, why in ((pb.BUFFER_KIND_CENTER, "too large"), (pb.BUFFER_KIND_MAIL, "mail")):
+        with pytest.raises(grpc.RpcError) as e:
+            a._on_stream("pull", pb.PullParamsRequest(node=a._node(), buffer=buffer), 5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and why in e.value.details()
+    out = np.zeros(n, np.float32)
+    a.pull("center", out, round_id=0)
+    assert np.array_equal(out, v) and a.transfers.moved == {"bulk": 0, "grpc": 1, "session": 0}
+    assert servicer.stats.copy()[0].get(("PullParams", "INVALID_ARGUMENT")) == 2
+    a.close(), b.close()
+
+
+def test_a_download_while_another_call_holds_the_stream_goes_on_its_own_stream(server):
+    """An asynchronous rule's thread downloads while the node loop's call waits on the stream:
+    it does not queue behind that call."""
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    v = _vector()
+    b.push("center", v, round_id=0)
+    out = np.zeros(N, np.float32)
+    with a._call_lock:  # as the loop's long-poll would hold it
+        t = threading.Thread(target=a.pull, args=("center", out, 0))
+        t.start()
+        t.join(5)
+    assert not t.is_alive() and np.array_equal(out, v)
+    assert a.transfers.moved == {"bulk": 0, "grpc": 1, "session": 0}
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("server", ["secret"], indirect=True)  # MACs need a job secret
+def test_a_download_message_needs_the_mac_of_its_own_field(server):
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    b.push("center", _vector(), round_id=0)
+    node, key = a._node(), derive_key(SECRET)
+    body = pb.PullParamsRequest(node=node, buffer=pb.BUFFER_KIND_CENTER).SerializeToString()
+    for field, ok in ((ACQUIRE_FIELD, False), (PULL_FIELD, True)):
+        nonce = os.urandom(16)
+        out, replies, ch = _raw_stream(server.streams, security,
+                                       pb.SessionRequest(n=0, node=node, nonce=nonce))
+        out.put(pb.SessionRequest(n=1, pull=body, mac=session_mac(key, nonce, 1, field, body)))
+        if ok:
+            reply = next(replies)
+            assert reply.code == 0 and len(reply.pull.data) == 4 * N
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                next(replies)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "MAC" in e.value.details()
+        out.put(None)
+        ch.close()
+    a.close(), b.close()
+
+
+def test_a_rounds_leader_and_sums_go_up_whole_and_its_average_comes_down(server):
+    """A final round (node 0's leader, both nodes' sums): every upload and download on the
+    streams, and the average is the sums' over their summands."""
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    servicer.params.begin(5, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
+    leader, sa, sb = _vector(), np.full(N, 2.0, np.float32), np.full(N, 6.0, np.float32)
+    a.push("global_leader", leader, 5)
+    a.push("sum", sa, 5, summands=2)
+    b.push("sum", sb, 5, summands=2)
+    got_leader, got_average = np.zeros(N, np.float32), np.zeros(N, np.float32)
+    b.pull("global_leader", got_leader, 5)
+    b.pull("average", got_average, 5)
+    assert np.array_equal(got_leader, leader) and np.allclose(got_average, 2.0)
+    assert a.transfers.moved == {"bulk": 0, "grpc": 0, "session": 2}
+    assert b.transfers.moved == {"bulk": 0, "grpc": 0, "session": 3}
+    assert servicer.calls.counts["PushParams"] == 3 and servicer.calls.counts["Session"] == 2
+    assert servicer.stats.copy()[1] == 3 * 4 * N  # bytes received
+    a.close(), b.close()
+
+
+def test_refused_uploads_change_nothing_and_the_stream_goes_on(server):
+    """Non-finite values, a buffer that is not a round's own, another node's header, a vector
+    too large: each is refused with its one line, and the round still takes the real upload."""
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    servicer.params.begin(5, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
+    bad = np.full(N, np.nan, np.float32)
+    with pytest.raises(grpc.RpcError) as e:
+        a.push("sum", bad, 5, summands=2)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "non-finite" in e.value.details()
+    assert servicer.params.exchange.failed  # a broken upload fails the round's sums, as on gRPC
+    servicer.params.begin(6, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
+
+    def header(node, buffer=pb.BUFFER_KIND_NODE_SUM, count=N):
+        return pb.PushHeader(node=node, round_id=6, buffer=buffer, param_count=count, summands=2)
+
+    cases = [
+        (pb.SessionUpload(header=header(a._node(), pb.BUFFER_KIND_CENTER), data=bytes(4 * N)),
+         grpc.StatusCode.INVALID_ARGUMENT, "leader or sum"),
+        (pb.SessionUpload(header=header(b._node()), data=bytes(4 * N)),
+         grpc.StatusCode.PERMISSION_DENIED, "this stream is node 0"),
+        (pb.SessionUpload(header=header(a._node(), count=1 << 18), data=bytes(1 << 20)),
+         grpc.StatusCode.INVALID_ARGUMENT, "too large"),
+    ]
+    for upload, code, why in cases:
+        with pytest.raises(grpc.RpcError) as e:
+            a._on_stream("push", upload, 5)
+        assert e.value.code() == code and why in e.value.details(), (why, e.value.details())
+    stream = a._stream
+    a.push("global_leader", _vector(), 6)  # the same stream takes the genuine uploads
+    a.push("sum", np.ones(N, np.float32), 6, summands=2)
+    b.push("sum", np.ones(N, np.float32), 6, summands=2)
+    assert a._stream is stream and servicer.params.exchange.settled
+    assert not servicer.params.exchange.failed
+    servicer.params.begin(7, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
+    short = pb.SessionUpload(header=pb.PushHeader(
+        node=a._node(), round_id=7, buffer=pb.BUFFER_KIND_NODE_SUM, param_count=N, summands=2),
+        data=bytes(4 * N - 4))
+    with pytest.raises(grpc.RpcError) as e:  # taken, then short: nothing partial is applied
+        a._on_stream("push", short, 5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended at" in e.value.details()
+    assert servicer.params.exchange.failed and not servicer.params.exchange.sums_ok
+    a.close(), b.close()
+
+
+@pytest.mark.parametrize("server", ["secret"], indirect=True)
+def test_an_upload_message_needs_the_mac_of_its_own_field(server):
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    servicer.params.begin(5, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
+    node, key = a._node(), derive_key(SECRET)
+    body = pb.SessionUpload(header=pb.PushHeader(
+        node=node, round_id=5, buffer=pb.BUFFER_KIND_NODE_SUM, param_count=N, summands=2),
+        data=np.ones(N, np.float32).tobytes()).SerializeToString()
+    for field, ok in ((PULL_FIELD, False), (PUSH_FIELD, True)):
+        nonce = os.urandom(16)
+        out, replies, ch = _raw_stream(server.streams, security,
+                                       pb.SessionRequest(n=0, node=node, nonce=nonce))
+        out.put(pb.SessionRequest(n=1, push=body, mac=session_mac(key, nonce, 1, field, body)))
+        if ok:
+            reply = next(replies)
+            assert reply.code == 0 and reply.HasField("push")
+        else:
+            with pytest.raises(grpc.RpcError) as e:
+                next(replies)
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert (0, "sum") in servicer.params.exchange.expected  # nothing taken
+        out.put(None)
+        ch.close()
+    assert (0, "sum") not in servicer.params.exchange.expected
+    a.close(), b.close()
