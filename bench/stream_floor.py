@@ -77,30 +77,36 @@ def _serve_aio(port_q: "mp.Queue", threads: int) -> None:
 
 
 def _serve_socket(port_q: "mp.Queue", threads: int) -> None:
-    """The same echo on a plain TCP socket under asyncio: a 4-byte length, then the message,
-    with an HMAC-SHA256 checked and made per message (as a signed session's would be)."""
+    """The same echo on a plain TCP socket under asyncio (a ``Protocol``: no stream objects): a
+    4-byte length, then the message, with an HMAC-SHA256 checked and made per message (as a
+    signed session's would be)."""
     import asyncio
     import hashlib
     import hmac
 
     key = b"k" * 32
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readexactly(4)
-                body = await reader.readexactly(int.from_bytes(head, "big"))
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport) -> None:  # noqa: ANN001
+            self.t, self.buf = transport, bytearray()
+
+        def data_received(self, data: bytes) -> None:
+            self.buf += data
+            while len(self.buf) >= 4:
+                n = int.from_bytes(self.buf[:4], "big")
+                if len(self.buf) < 4 + n:
+                    return
+                body = bytes(self.buf[4 : 4 + n])
+                del self.buf[: 4 + n]
                 msg, mac = body[:-32], body[-32:]
                 if not hmac.compare_digest(hmac.new(key, msg, hashlib.sha256).digest(), mac):
-                    break
+                    self.t.close()
+                    return
                 out = msg + hmac.new(key, msg, hashlib.sha256).digest()
-                writer.write(len(out).to_bytes(4, "big") + out)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        writer.close()
+                self.t.write(len(out).to_bytes(4, "big") + out)
 
     async def main() -> None:
-        server = await asyncio.start_server(serve, "127.0.0.1", 0, backlog=1024)
+        server = await asyncio.get_running_loop().create_server(Echo, "127.0.0.1", 0, backlog=1024)
         port_q.put(server.sockets[0].getsockname()[1])
         await server.serve_forever()
 

@@ -263,3 +263,35 @@ def test_an_upload_message_needs_the_mac_of_its_own_field(server):
         ch.close()
     assert (0, "sum") not in servicer.params.exchange.expected
     a.close(), b.close()
+
+
+def test_at_a_round_close_the_leaders_node_hears_first():
+    """The other nodes' downloads wait for the leader's upload: its node's barrier is answered
+    before theirs, whatever order they reported in."""
+    import asyncio
+
+    from lsgd.global_server.aio_session import ROUNDS, SessionServer
+    from lsgd.global_server.admission import Limits
+
+    servicer = build_servicer(JobConfig(num_groups=4, workers=1, job_id="job", algorithm="lsgd"))
+    servicer.params.set_param_count(N)
+    servicer.params.begin(3, RoundKind.GLOBAL, 2, {0: 1, 1: 1, 2: 1, 3: 1}, 5.0)
+    sessions = SessionServer(servicer, Limits.for_job(4, 5.0))
+    heard: list[int] = []
+
+    async def main() -> None:
+        sessions._loop = asyncio.get_running_loop()
+
+        async def barrier(node: int) -> None:
+            await sessions._wait(ROUNDS, 5.0, node)
+            heard.append(node)
+
+        tasks = [asyncio.create_task(barrier(n)) for n in (0, 1, 3, 2)]
+        await asyncio.sleep(0.01)  # all four wait
+        sessions._fire((ROUNDS,))
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    asyncio.run(main())
+    assert heard[0] == 2 and sorted(heard) == [0, 1, 2, 3]
+    servicer.params.push(2, 3, "global_leader", N, 0, [(0, _vector().tobytes())])
+    assert servicer.params.uploaders() == set()

@@ -98,7 +98,8 @@ class SessionServer:
         self._server = None
         self._thread: threading.Thread | None = None
         self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="lsgd-digest")
-        self._waiters: tuple[set, set, set] = (set(), set(), set())  # by CREDITS, ROUNDS, PARAMS
+        # futures waiting for news -> their node (-1: none), by CREDITS, ROUNDS, PARAMS
+        self._waiters: tuple[dict, dict, dict] = ({}, {}, {})
         self._open: set[_Stream] = set()
         self._pending: Counter[str] = Counter()  # host -> streams whose opening is unchecked
         self._by_node: dict[int, _Stream] = {}
@@ -201,26 +202,31 @@ class SessionServer:
 
     def _fire(self, kinds: tuple[int, ...]) -> None:
         for kind in kinds:
-            waiters = list(self._waiters[kind])
+            waiters = list(self._waiters[kind].items())
             self._waiters[kind].clear()
-            for w in waiters:
+            if kind == ROUNDS and len(waiters) > 1:
+                # A round closed: the nodes whose uploads the others' downloads wait for (the
+                # leader's) hear first, so that their upload overlaps the other answers.
+                first = self.s.params.uploaders()
+                waiters.sort(key=lambda wn: wn[1] not in first)
+            for w, _ in waiters:
                 if not w.done():
                     w.set_result(True)
 
-    async def _wait(self, kind: int, timeout: float) -> bool:
+    async def _wait(self, kind: int, timeout: float, node: int = -1) -> bool:
         """Wait up to ``timeout`` seconds for news of ``kind`` (registered before the news
-        that came during the caller's step is fired: call it right after the step). False
-        when none came."""
+        that came during the caller's step is fired: call it right after the step), for
+        ``node``'s call. False when none came."""
         loop = self._loop
         w = loop.create_future()
         waiters = self._waiters[kind]
-        waiters.add(w)
+        waiters[w] = node
         timer = loop.call_later(timeout, lambda: w.done() or w.set_result(False))
         try:
             return await w
         finally:
             timer.cancel()
-            waiters.discard(w)
+            waiters.pop(w, None)
             if not w.done():
                 w.cancel()
 
@@ -328,7 +334,8 @@ class SessionServer:
                 wait = poll.wait()
             if answer is not None:
                 return answer
-            timed_out = not await self._wait(ROUNDS if poll.news_only else CREDITS, wait)
+            timed_out = not await self._wait(ROUNDS if poll.news_only else CREDITS, wait,
+                                             poll.request.node.node_index)
 
     async def _pull(self, call: pb.PullParamsRequest, ctx: _LoopContext) -> pb.ParamChunk:
         """A small download: checked, then read whole on the loop as soon as it is ready (the

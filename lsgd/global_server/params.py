@@ -182,6 +182,15 @@ class ParamStore(DeltaMixin, SavedParams):
                 self._maybe_settle()
                 self._changed()
 
+    def uploaders(self) -> set[int]:
+        """The nodes whose leader upload the exchange in progress still waits for (the other
+        nodes' downloads wait for it too)."""
+        with self._cond:
+            ex = self.exchange
+            if ex is None or ex.settled:
+                return set()
+            return {n for n, b in ex.expected if b == LEADER}
+
     def settled(self, round_id: int) -> bool:
         """Whether the exchange of round ``round_id`` is over (or was never started)."""
         with self._cond:
