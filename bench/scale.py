@@ -359,6 +359,28 @@ def _profile(pid: int, name: str) -> subprocess.Popen | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _phases(records: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Where a global round's time goes, median over the job's global rounds (ms): ``learn``,
+    from the first node to the last learning of the round (the credit answers that name it);
+    ``answers``, from the first barrier answer to the last (the fan-out); ``exchange``, from
+    the last answer to the last node done (the leader's upload and the downloads after it)."""
+    by: dict[int, list[dict[str, Any]]] = {}
+    for r in records:
+        if r["kind"] == "global" and not r["missed"]:
+            by.setdefault(r["id"], []).append(r)
+    spans: dict[str, list[float]] = {"learn": [], "answers": [], "exchange": []}
+    for rs in by.values():
+        learn = [r["learn"] for r in rs]
+        answered = [r["learn"] + r["report_s"] for r in rs]
+        done = [r["learn"] + r["latency_s"] for r in rs]
+        spans["learn"].append(max(learn) - min(learn))
+        spans["answers"].append(max(answered) - min(answered))
+        spans["exchange"].append(max(done) - max(answered))
+    if not by:
+        return None
+    return {k: round(_pct([x * 1000 for x in v], 50), 1) for k, v in spans.items()}
+
+
 def _pct(values: list[float], q: float) -> float:
     import numpy as np
 
@@ -562,6 +584,7 @@ def _measure(sc: Scenario, nodes: list[dict[str, Any]], summary: dict[str, Any],
         "rounds_per_s": round(rounds / window, 2) if window and window > 0 else None,
         "p50_ms": round(_pct(lat, 50), 2), "p99_ms": round(_pct(lat, 99), 2),
         "max_ms": round(max(lat), 2) if lat else None, "by_kind": by_kind,
+        "global_phases_ms": _phases(records),
         "server_cpu_pct": cpu.get("server"),
         "idle_longpoll_server_cpu_pct": idle_cpu, "idle_longpoll_window_s": idle_s,
         "client_cpu_pct": {k: v for k, v in cpu.items() if k != "server"},
@@ -667,6 +690,10 @@ def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
                                               if m["server_cpu_pct"] and m["rounds_per_s"] else None),
                    "calls_per_round": m["calls_per_round"], "calls": m["calls"],
                    "client_cpu_pct": m["client_cpu_pct"],
+                   "clients_cpu_s_per_round": (round(sum(v or 0 for v in m["client_cpu_pct"].values())
+                                                     / 100 / m["rounds_per_s"], 3)
+                                               if m["rounds_per_s"] else None),
+                   "global_phases_ms": m["global_phases_ms"],
                    "load_before": round(os.getloadavg()[0], 2), "first_errors": m["errors"][:5]}
             rows.append(row)
             print(json.dumps(row), flush=True)
