@@ -14,8 +14,10 @@ other port, so an opening cannot be replayed across them), every later message c
 and the next number, under mutual TLS the node must be one its certificate names, and a call is
 answered by the same steps as its unary form (``polls.py``): a step runs on the loop with the
 servicer's lock held for microseconds, and a long-poll or a round barrier waits on a future
-that the servicer's ``on_news`` resolves, not on a thread. Digests, rare and sometimes slow (a
-hash of the center), run in a small thread pool.
+that the servicer's ``on_news`` resolves, not on a thread. A small download waits the same way
+for the parameter store's news (``ParamStore.on_change``); a small upload of a round's leader or
+sum never waits, and runs on the loop. Digests, rare and sometimes slow (a hash of the center),
+run in a small thread pool.
 
 Admission is the synchronous server's, in the loop's terms: at most ``Limits.sessions`` streams
 open, at most ``pending_per_host`` per host before their opening is checked, an opening within

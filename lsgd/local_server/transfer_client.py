@@ -1,7 +1,10 @@
 """A node's parameter uploads and downloads to and from the global server (``GlobalClient.push``
 / ``pull`` / ``push_mail`` / ``pull_mail``).
 
-Two paths, with the same checks and answers at the server (``global_server/transfers.py``):
+Three paths, with the same checks and answers at the server (``global_server/transfers.py``):
+
+- the node's **session stream** (``GlobalClient.push`` / ``pull``): a vector of less than
+  ``SMALL_VECTOR`` bytes on the wire, whole in one message (``small``, ``encode``, ``fill``);
 
 - the server's **bulk port** (``BULK_PORT``, ``global_server/bulk.py``): one data connection
   per transfer, at a plain socket's speed. Used for vectors of ``MIN_BULK`` bytes and more when
