@@ -54,26 +54,27 @@ def _vector(n: int = N) -> np.ndarray:
     return np.random.default_rng(7).standard_normal(n).astype(np.float32)
 
 
-def test_a_small_download_comes_whole_on_the_stream_once_it_is_ready(server):
-    """The center is not seeded yet: the download waits (another node's calls are answered
-    meanwhile), and comes whole once the center is uploaded."""
+def test_a_rounds_download_comes_whole_on_the_stream_once_it_is_ready(server):
+    """Round 5's leader is not uploaded yet: the download waits (another node's calls are
+    answered meanwhile), and comes whole once the leader's node uploads it."""
     servicer, addr, security = server
     a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    servicer.params.begin(5, RoundKind.FINAL, 1, {0: 2, 1: 2}, 5.0)
     v, out, got = _vector(), np.zeros(N, np.float32), {}
 
     def pull() -> None:
         t0 = time.monotonic()
-        a.pull("center", out, round_id=0)
+        a.pull("global_leader", out, round_id=5)
         got["s"] = time.monotonic() - t0
 
     t = threading.Thread(target=pull)
     t.start()
     time.sleep(0.3)
-    assert t.is_alive()  # waiting for the center
+    assert t.is_alive()  # waiting for the leader
     t0 = time.monotonic()
     b.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
     assert time.monotonic() - t0 < 0.5  # the wait holds up nobody else
-    b.push("center", v, round_id=0)
+    b.push("global_leader", v, round_id=5)
     t.join(5)
     assert not t.is_alive() and np.array_equal(out, v) and got["s"] >= 0.3
     assert a.transfers.moved == {"bulk": 0, "grpc": 0, "session": 1}
@@ -85,9 +86,10 @@ def test_a_small_download_comes_whole_on_the_stream_once_it_is_ready(server):
 def test_a_download_never_ready_is_deadline_exceeded_and_the_stream_goes_on(server):
     servicer, addr, security = server
     a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    servicer.params.begin(5, RoundKind.FINAL, 1, {0: 2, 1: 2}, 60.0)  # settles after the wait
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
-        a.pull("center", np.zeros(N, np.float32), round_id=0)
+        a.pull("global_leader", np.zeros(N, np.float32), round_id=5)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "not" in e.value.details()
     assert 1.4 < time.monotonic() - t0 < 5  # the round time-out, 1.5 s
     stream = a._stream
@@ -101,13 +103,27 @@ def test_bfloat16_comes_whole_rounded_as_on_a_pull_stream(server):
     pytest.importorskip("ml_dtypes")
     servicer, addr, security = server
     a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    servicer.params.begin(5, RoundKind.FINAL, 1, {0: 2, 1: 2}, 5.0)
     v = _vector()
-    b.push("center", v, round_id=0)
+    b.push("global_leader", v, round_id=5, wire="bfloat16")
     whole, streamed = np.zeros(N, np.float32), np.zeros(N, np.float32)
-    a.pull("center", whole, round_id=0, wire="bfloat16")
-    a.transfers.pull(a._node(), "center", streamed, 0, "bfloat16")  # its PullParams stream
+    a.pull("global_leader", whole, round_id=5, wire="bfloat16")
+    a.transfers.pull(a._node(), "global_leader", streamed, 5, "bfloat16")  # a PullParams stream
     assert np.array_equal(whole, streamed) and np.abs(whole - v).max() < 0.05
     assert a.transfers.moved == {"bulk": 0, "grpc": 1, "session": 1}
+    a.close(), b.close()
+
+
+def test_a_newest_vector_is_downloaded_on_its_own_stream(server):
+    """Round 0 (the newest center or leader, e.g. an asynchronous rule's own thread) may wait
+    for a seed: it does not hold the node loop's stream meanwhile."""
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    v = _vector()
+    b.push("center", v, round_id=0)
+    out = np.zeros(N, np.float32)
+    a.pull("center", out, round_id=0)
+    assert np.array_equal(out, v) and a.transfers.moved == {"bulk": 0, "grpc": 1, "session": 0}
     a.close(), b.close()
 
 
@@ -131,15 +147,16 @@ def test_a_large_vector_or_mail_asked_on_the_stream_is_refused_and_the_node_stre
 
 
 def test_a_download_while_another_call_holds_the_stream_goes_on_its_own_stream(server):
-    """An asynchronous rule's thread downloads while the node loop's call waits on the stream:
-    it does not queue behind that call."""
+    """A round's download made while another call waits on the stream does not queue behind
+    that call."""
     servicer, addr, security = server
     a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    servicer.params.begin(5, RoundKind.FINAL, 1, {0: 2, 1: 2}, 5.0)
     v = _vector()
-    b.push("center", v, round_id=0)
+    b.push("global_leader", v, round_id=5)
     out = np.zeros(N, np.float32)
-    with a._call_lock:  # as the loop's long-poll would hold it
-        t = threading.Thread(target=a.pull, args=("center", out, 0))
+    with a._call_lock:  # as a long-poll of the loop would hold it
+        t = threading.Thread(target=a.pull, args=("global_leader", out, 5))
         t.start()
         t.join(5)
     assert not t.is_alive() and np.array_equal(out, v)
@@ -193,22 +210,24 @@ def test_a_rounds_leader_and_sums_go_up_whole_and_its_average_comes_down(server)
 
 
 def test_refused_uploads_change_nothing_and_the_stream_goes_on(server):
-    """Non-finite values, a buffer that is not a round's own, another node's header, a vector
-    too large: each is refused with its one line, and the round still takes the real upload."""
+    """Non-finite values, a wrong size, a buffer that is not a round's own, another node's
+    header, a vector too large: each is refused with its one line before it is taken (the
+    round's exchange does not fail), and the round still takes the real uploads."""
     servicer, addr, security = server
     a, b = _joined(addr, security, 0), _joined(addr, security, 1)
-    servicer.params.begin(5, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
-    bad = np.full(N, np.nan, np.float32)
-    with pytest.raises(grpc.RpcError) as e:
-        a.push("sum", bad, 5, summands=2)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "non-finite" in e.value.details()
-    assert servicer.params.exchange.failed  # a broken upload fails the round's sums, as on gRPC
     servicer.params.begin(6, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
 
     def header(node, buffer=pb.BUFFER_KIND_NODE_SUM, count=N):
         return pb.PushHeader(node=node, round_id=6, buffer=buffer, param_count=count, summands=2)
 
+    nan = np.full(N, np.nan, np.float32).tobytes()
     cases = [
+        (pb.SessionUpload(header=header(a._node()), data=nan),
+         grpc.StatusCode.INVALID_ARGUMENT, "non-finite"),
+        (pb.SessionUpload(header=header(a._node()), data=bytes(4 * N - 4)),
+         grpc.StatusCode.INVALID_ARGUMENT, "the job's model has"),
+        (pb.SessionUpload(header=header(a._node(), count=N + 1), data=bytes(4 * N + 4)),
+         grpc.StatusCode.INVALID_ARGUMENT, "the job's model has"),
         (pb.SessionUpload(header=header(a._node(), pb.BUFFER_KIND_CENTER), data=bytes(4 * N)),
          grpc.StatusCode.INVALID_ARGUMENT, "leader or sum"),
         (pb.SessionUpload(header=header(b._node()), data=bytes(4 * N)),
@@ -220,20 +239,14 @@ def test_refused_uploads_change_nothing_and_the_stream_goes_on(server):
         with pytest.raises(grpc.RpcError) as e:
             a._on_stream("push", upload, 5)
         assert e.value.code() == code and why in e.value.details(), (why, e.value.details())
+        ex = servicer.params.exchange  # refused before it was taken: nothing changed
+        assert not ex.failed and (0, "sum") in ex.expected and not ex.in_flight
     stream = a._stream
     a.push("global_leader", _vector(), 6)  # the same stream takes the genuine uploads
     a.push("sum", np.ones(N, np.float32), 6, summands=2)
     b.push("sum", np.ones(N, np.float32), 6, summands=2)
     assert a._stream is stream and servicer.params.exchange.settled
     assert not servicer.params.exchange.failed
-    servicer.params.begin(7, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
-    short = pb.SessionUpload(header=pb.PushHeader(
-        node=a._node(), round_id=7, buffer=pb.BUFFER_KIND_NODE_SUM, param_count=N, summands=2),
-        data=bytes(4 * N - 4))
-    with pytest.raises(grpc.RpcError) as e:  # taken, then short: nothing partial is applied
-        a._on_stream("push", short, 5)
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ended at" in e.value.details()
-    assert servicer.params.exchange.failed and not servicer.params.exchange.sums_ok
     a.close(), b.close()
 
 
@@ -293,5 +306,54 @@ def test_at_a_round_close_the_leaders_node_hears_first():
 
     asyncio.run(main())
     assert heard[0] == 2 and sorted(heard) == [0, 1, 2, 3]
-    servicer.params.push(2, 3, "global_leader", N, 0, [(0, _vector().tobytes())])
-    assert servicer.params.uploaders() == set()
+
+
+def test_a_leader_that_waits_for_its_digest_holds_up_no_other_node(server, monkeypatch):
+    """PLANE=chain: the server takes a leader only with its source's digest, and waits a while
+    for it. That wait must not stop the asyncio server's other streams."""
+    from lsgd.global_server import digests
+
+    monkeypatch.setattr(digests, "WAIT", 1.0)
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    b.acquire(consumed=0, late=0, released=0, want=1, last_round_seen=0, max_wait=0)
+    # node 0 feeds the server the leader that came down the route (FINAL: expected on EASGD)
+    servicer.params.begin(5, RoundKind.FINAL, 1, {0: 1, 1: 1}, 30.0, leader_uploader=0)
+    errors: list[grpc.RpcError] = []
+
+    def up() -> None:
+        try:
+            a.push("global_leader", _vector(), 5)
+        except grpc.RpcError as exc:
+            errors.append(exc)
+
+    t = threading.Thread(target=up)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    b.acquire(consumed=0, late=0, released=0, want=1, last_round_seen=0, max_wait=0)
+    assert time.monotonic() - t0 < 0.5
+    t.join(10)
+    assert errors and errors[0].code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "registered no digest" in errors[0].details()
+    a.close(), b.close()
+
+
+def test_only_news_for_a_download_wakes_the_downloads():
+    """A sum that leaves the round open is no news for a download (with N nodes waiting for
+    the center that would be N wake-ups per upload); the upload that settles it is."""
+    from lsgd.global_server.params import ParamStore
+
+    store = ParamStore(JobConfig(algorithm="easgd").make_rule())
+    store.set_param_count(N)
+    heard = []
+    store.on_change = lambda: heard.append(1)
+    store.push(0, 0, "center", N, 0, [(0, _vector().tobytes())])  # the seed
+    assert len(heard) == 1
+    store.begin(3, RoundKind.GLOBAL, None, {0: 1, 1: 1, 2: 1}, 5.0)
+    assert len(heard) == 2
+    for node in (0, 1):
+        store.push(node, 3, "sum", N, 1, [(0, np.ones(N, np.float32).tobytes())])
+    assert len(heard) == 2
+    store.push(2, 3, "sum", N, 1, [(0, np.ones(N, np.float32).tobytes())])
+    assert store.exchange.settled and len(heard) >= 3

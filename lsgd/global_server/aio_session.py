@@ -15,9 +15,10 @@ and the next number, under mutual TLS the node must be one its certificate names
 answered by the same steps as its unary form (``polls.py``): a step runs on the loop with the
 servicer's lock held for microseconds, and a long-poll or a round barrier waits on a future
 that the servicer's ``on_news`` resolves, not on a thread. A small download waits the same way
-for the parameter store's news (``ParamStore.on_change``); a small upload of a round's leader or
-sum never waits, and runs on the loop. Digests, rare and sometimes slow (a hash of the center),
-run in a small thread pool.
+for the parameter store's news (``ParamStore.on_change``); a small upload of a round's sum
+never waits, and runs on the loop. Digests and leader uploads, rare and sometimes slow (a hash
+of the center; a leader's digest, which ``PLANE=chain`` waits for), run in a small thread
+pool.
 
 Admission is the synchronous server's, in the loop's terms: at most ``Limits.sessions`` streams
 open, at most ``pending_per_host`` per host before their opening is checked, an opening within
@@ -99,7 +100,8 @@ class SessionServer:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._server = None
         self._thread: threading.Thread | None = None
-        self._pool = futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="lsgd-digest")
+        # digests and leader uploads: rare, and they may wait or hash a vector
+        self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lsgd-session")
         # futures waiting for news -> their node (-1: none), by CREDITS, ROUNDS, PARAMS
         self._waiters: tuple[dict, dict, dict] = ({}, {}, {})
         self._open: set[_Stream] = set()
@@ -315,8 +317,11 @@ class SessionServer:
                     answer = await self._digest(call, ctx)
                 elif field_ == "pull":
                     answer = await self._pull(call, ctx)
-                elif field_ == "push":  # a round's leader or sum: taken without a wait
-                    answer = self.s.SessionPush(call, ctx)
+                elif field_ == "push" and call.header.buffer == pb.BUFFER_KIND_NODE_SUM:
+                    answer = self.s.SessionPush(call, ctx)  # a sum never waits: on the loop
+                elif field_ == "push":  # a leader may wait for its digest (PLANE=chain)
+                    answer = await self._loop.run_in_executor(self._pool, self.s.SessionPush,
+                                                              call, ctx)
                 else:
                     answer = await self._poll(CreditPoll(self.s, call) if field_ == "acquire"
                                               else RoundBarrier(self.s, call))

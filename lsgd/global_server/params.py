@@ -82,12 +82,15 @@ class ParamStore(DeltaMixin, SavedParams):
         # Called (lock held, any thread) whenever a download may have become ready or never
         # will: the session server wakes the downloads it holds on its loop (aio_session.py).
         self.on_change: Callable[[], None] | None = None
+        self._leader_uploaders: frozenset[int] = frozenset()  # the newest exchange's (uploaders)
 
-    def _changed(self) -> None:
-        """Wake whatever waits on this store's state (lock held)."""
+    def _changed(self, news: bool = True) -> None:
+        """Wake whatever waits on this store's state (lock held); ``news``: a download may
+        have become ready, or never will (the session server's waiters hear only of that)."""
         self._cond.notify_all()
-        if self.on_change is not None:
-            self.on_change()
+        hook = self.on_change  # read once: the session server may drop it meanwhile
+        if news and hook is not None:
+            hook()
 
     def check_param_count(self, count: int) -> None:
         """Raise ParamError unless a node with ``count`` parameters may join."""
@@ -165,6 +168,7 @@ class ParamStore(DeltaMixin, SavedParams):
                 return
             if any(b == SUM for _, b in expected) and self.param_count:
                 self.buffers[SUM].fill(0.0)
+            self._leader_uploaders = frozenset(n for n, b in expected if b == LEADER)
             self.exchange = Exchange(round_id, kind, expected, self.clock() + timeout,
                                      participants=dict(reports), average=average, reduce=reduce,
                                      leader_route=leader_uploader is not None)
@@ -182,14 +186,11 @@ class ParamStore(DeltaMixin, SavedParams):
                 self._maybe_settle()
                 self._changed()
 
-    def uploaders(self) -> set[int]:
-        """The nodes whose leader upload the exchange in progress still waits for (the other
-        nodes' downloads wait for it too)."""
-        with self._cond:
-            ex = self.exchange
-            if ex is None or ex.settled:
-                return set()
-            return {n for n, b in ex.expected if b == LEADER}
+    def uploaders(self) -> frozenset[int]:
+        """The nodes the newest exchange expects the leader from (the other nodes' downloads
+        wait for it). Read without the lock (the session server's loop asks at every round
+        close, and must not wait while another thread holds the lock for a model-sized job)."""
+        return self._leader_uploaders
 
     def settled(self, round_id: int) -> bool:
         """Whether the exchange of round ``round_id`` is over (or was never started)."""
@@ -207,6 +208,8 @@ class ParamStore(DeltaMixin, SavedParams):
                 return False
             ex.expected.discard((old, buffer))
             ex.expected.add((new, buffer))
+            if buffer == LEADER:
+                self._leader_uploaders = frozenset({new})
             return True
 
     def _maybe_settle(self) -> None:
@@ -364,8 +367,10 @@ class ParamStore(DeltaMixin, SavedParams):
                     ex.weight += weight
                 else:
                     ex.leader_ok = True
-                self._maybe_settle()
-            self._changed()
+                self._maybe_settle()  # (news itself when it settles the round)
+            # a download can become ready only with a leader, a center or a settled round: a
+            # sum that leaves the round open wakes no download (N of them, N times a round)
+            self._changed(news=ex is None or buffer != SUM or ex.settled)
 
     def _receive(self, target: np.ndarray, chunks: Iterable[tuple[int, bytes]], add: bool,
                  exchange: Exchange | None, dtype: np.dtype = np.dtype("<f4")) -> None:

@@ -126,7 +126,6 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
         if self.coord.stopped is not None:  # a round closed by a job stop exchanges nothing
             return
         self._exchanged = rnd.id
-        self._wake(closed=True)
         if rnd.checkpoint:
             self.checkpoint_due = (rnd.id, self.coord.state(self.clock()))
             self.checkpoint_since = self.clock()
@@ -144,6 +143,7 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
                           average=rnd.evaluate,
                           leader_uploader=route.feeds_server if leader_route else None,
                           reduce=route if route is not None and route.reduce else None)
+        self._wake(closed=True)  # after begin: the barriers' answers find the exchange open
 
     def _change(self, fn: Callable[[], object]) -> object:
         """Run ``fn`` on the state (lock held); wake the long-polls only if it changed something.
@@ -178,8 +178,9 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
         self.cond.notify_all()
         if closed:
             self.closed.notify_all()
-        if self.on_news is not None:
-            self.on_news(closed)
+        hook = self.on_news  # read once: the session server may drop it meanwhile
+        if hook is not None:
+            hook(closed)
 
     def _observe(self) -> None:
         """Show the change on the status board (lock held). A fault of the board is logged

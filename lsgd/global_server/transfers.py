@@ -9,12 +9,13 @@ from dataclasses import replace
 from typing import Iterator
 
 import grpc
+import numpy as np
 
 from ..proto import lsgd_pb2 as pb
+from ..wire import SMALL_VECTOR
 from .buffers import DELTA, MAIL
 from .coordinator import CoordinatorError
 from .digests import SIZE as DIGEST_SIZE
-from ..wire import SMALL_VECTOR
 from .params import AVERAGE, CENTER, LEADER, SUM, ParamError, _wire_dtype
 
 BUFFERS = {pb.BUFFER_KIND_GLOBAL_LEADER: LEADER, pb.BUFFER_KIND_CENTER: CENTER,
@@ -260,8 +261,25 @@ class TransferRPCs:
                           f"a vector of {len(request.data)} bytes is too large for a session "
                           f"message (less than {SMALL_VECTOR} only): upload it with PushParams "
                           "or on the bulk port")
-        self.take_upload(h, iter(((0, request.data),)), context)
-        self.stats.moved(received=len(request.data))
+        wire = WIRES.get(h.wire_format)
+        count = self.params.param_count
+        if wire is not None and count is not None:  # (else take_upload refuses it)
+            # The whole vector is here: a wrong size or a non-finite value is refused before
+            # the upload is taken, so that it changes nothing (on a stream it fails the round).
+            dtype = _wire_dtype(wire)
+            if h.param_count != count or len(request.data) != count * dtype.itemsize:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"an upload of {h.param_count} parameters in "
+                              f"{len(request.data)} bytes of {wire}; the job's model has {count}")
+            values = np.frombuffer(request.data, dtype)
+            if not np.isfinite(values).all():
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"upload has non-finite values at element "
+                              f"{int(np.argmin(np.isfinite(values)))}")
+        try:
+            self.take_upload(h, iter(((0, request.data),)), context)
+        finally:
+            self.stats.moved(received=len(request.data))
         return pb.PushParamsResponse()
 
     def SessionPull(self, request: pb.PullParamsRequest,

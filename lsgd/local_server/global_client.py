@@ -188,8 +188,8 @@ class GlobalClient:
                 self._unreachable = (self.epoch, s.port)
                 if self._session_port == s.port:
                     self._use_session_port(0)
-            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise  # it may have arrived: the node loop's retry rules decide
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED or field == "push":
+                raise  # it may have arrived (an upload is taken once): the node loop decides
             # it never reached the server: the same call on PORT (a retry of a numbered
             # credit request, a report or a digest question gets the same answer anyway)
             return self._stream_call(field, request, timeout)
@@ -379,12 +379,14 @@ class GlobalClient:
         """Download the server's ``buffer`` for ``round_id`` into ``out`` (a flat float32 view).
 
         ``wire="bfloat16"`` receives half the bytes, rounded to bfloat16 (needs ``ml_dtypes``).
-        A small vector comes whole on the session stream, when no other call holds it (a
-        credit long-poll of the node loop, for an asynchronous rule's own thread); a large one
-        on the bulk port or a gRPC stream (``transfer_client.py``).
+        A round's small vector (``round_id`` > 0: the node loop's own download, between its
+        other calls) comes whole on the session stream; a newest one (``round_id`` 0, e.g. an
+        asynchronous rule's own thread, which must not hold the loop's calls while it waits
+        for a seed) or a large one on the bulk port or a gRPC stream (``transfer_client.py``).
         """
         t = self.transfers
-        if buffer != "mail" and t.small(out, wire) and self._call_lock.acquire(blocking=False):
+        if (round_id and buffer != "mail" and t.small(out, wire)
+                and self._call_lock.acquire(blocking=False)):
             try:
                 request = pb.PullParamsRequest(node=self._node(), round_id=round_id,
                                                buffer=BUFFER_KINDS[buffer],
