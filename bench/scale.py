@@ -40,7 +40,8 @@ Standalone: ``PYTHONPATH=. python -m bench.scale [--quick] [--status]``;
 the ratios. ``--nodes-on asyncio``: the simulated nodes as tasks of one event loop per client
 process (``bench/scale_aio.py``; they cost the host about half what the threads cost);
 ``--sessions both``: each count once with the nodes' streams on the synchronous server
-(``SESSION_PORT=0``) and once on the asyncio one, in the same run.
+(``SESSION_PORT=0``) and once on the asyncio one, in the same run. ``--pin``: the server on the
+first CPU, the simulated nodes on the others, so that they do not take the server's core.
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class Scenario:
     reports: bool = False  # heartbeats carry a NodeReport of the node's workers
     status: bool = False  # the global server serves its status page (STATUS_PORT)
     poll_s: float = 0.0  # a browser polls the status page this often (0: nobody)
+    pin: bool = False  # the server on CPU 0, the simulated nodes on the others (``--pin``)
 
     @property
     def round_period(self) -> int:
@@ -273,6 +275,7 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
 
 def client_main(spec_path: str) -> int:
     """A client process: one thread per node in ``spec["nodes"]``; writes ``spec["out"]``."""
+    _pin_from_env()
     spec = json.loads(Path(spec_path).read_text())
     sc = Scenario(**spec["scenario"])
     if sc.nodes_on == "asyncio":
@@ -305,14 +308,25 @@ def client_main(spec_path: str) -> int:
 
 
 # ---------------------------------------------------------------------------------- driver
-def _env() -> dict[str, str]:
+def _env(cpus: str = "") -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+    env["LSGD_BENCH_CPUS"] = cpus  # "": any CPU
     return env
 
 
+def _pin_from_env() -> None:
+    """Run this process (and the threads it starts) on the CPUs ``LSGD_BENCH_CPUS`` names."""
+    cpus = os.environ.get("LSGD_BENCH_CPUS", "")
+    if cpus:
+        os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+
+
 SERVER_CODE = """\
-import json, logging, sys
+import json, logging, os, sys
+cpus = os.environ.get("LSGD_BENCH_CPUS", "")  # as _pin_from_env, without importing the bench
+if cpus:
+    os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
 from lsgd.config import JobConfig
 from lsgd.global_server.server import serve
 logging.basicConfig(level=logging.WARNING, format="%(asctime)s global %(levelname)s %(message)s")
@@ -447,9 +461,13 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
     hard_end = t_begin + sc.limit_s + 15
     try:
         log = (run_dir / "global.log").open("w")
+        cpus = sorted(os.sched_getaffinity(0))
+        pinned = sc.pin and len(cpus) >= 2
+        server_cpus = str(cpus[0]) if pinned else ""
+        client_cpus = ",".join(str(c) for c in cpus[1:]) if pinned else ""
         server = subprocess.Popen([sys.executable, "-c", SERVER_CODE, json.dumps(config)],
-                                  env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
+                                  env=_env(server_cpus), cwd=str(REPO), stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
         port_file = run_dir / "global.port"
         while not port_file.exists() or not port_file.read_text().strip():
             if server.poll() is not None or time.monotonic() > t_begin + 30:
@@ -466,7 +484,7 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
                                         "out": str(out)}))
             clog = (run_dir / f"client{k}.log").open("w")
             clients.append(subprocess.Popen([sys.executable, "-m", "bench.scale", "--client", str(spec)],
-                                            env=_env(), cwd=str(REPO), stdout=clog,
+                                            env=_env(client_cpus), cwd=str(REPO), stdout=clog,
                                             stderr=subprocess.STDOUT, start_new_session=True))
             outs.append(out)
         pids = {"server": server.pid} | {f"client{k}": c.pid for k, c in enumerate(clients)}
@@ -664,7 +682,7 @@ def run(quick: bool) -> list[Result]:
 
 
 def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
-          sessions: tuple[int | None, ...] = (None,)) -> list[dict[str, Any]]:
+          sessions: tuple[int | None, ...] = (None,), pin: bool = False) -> list[dict[str, Any]]:
     """The paced scenario (20 ms steps: 320 ms of work per round) at each node count, 8 workers
     each, one fresh server per count: round latency, server CPU and calls per round as the job
     grows (issue 15's 64, 256 and 512 nodes). The simulated nodes' own CPU is reported too: on a
@@ -677,10 +695,10 @@ def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
             tag = {None: "", 0: "-sync"}.get(session, f"-session{session}")
             sc = Scenario(f"{n}x8-paced{tag}", nodes=n, workers=8, l_comm=16, g_comm=64,
                           rounds=rounds, step_ms=20.0, limit_s=300.0, join_timeout=120.0,
-                          node_timeout=30.0, nodes_on=nodes_on, session_port=session)
+                          node_timeout=30.0, nodes_on=nodes_on, session_port=session, pin=pin)
             m = run_scenario(sc, CLIENT_PROCS, Path(tmp))
             g = m["by_kind"].get("global", {})
-            row = {"nodes": n, "sessions": "sync" if session == 0 else "asyncio",
+            row = {"nodes": n, "sessions": "sync" if session == 0 else "asyncio", "pinned": pin,
                    "nodes_on": nodes_on, "ok": m["ok"], "errors": m["error_count"],
                    "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
                    "global_p50_ms": g.get("p50_ms"), "global_p99_ms": g.get("p99_ms"),
@@ -751,10 +769,16 @@ def main(argv: list[str]) -> int:
             k = args.index("--sessions")
             sessions = {"both": (0, None), "sync": (0,), "asyncio": (None,)}[args[k + 1]]
             args = args[:k] + args[k + 2:]
+        pin = "--pin" in args
+        args = [a for a in args if a != "--pin"]
         counts = [int(a) for a in args] or [64, 256, 512]
         if against is not None:
+            if pin:
+                print("bench.scale: --pin does not go with --against (the other revision's "
+                      "harness may not have it)", file=sys.stderr)
+                return 2
             return compare(counts, against, nodes_on)
-        rows = sweep(counts, nodes_on=nodes_on, sessions=sessions)
+        rows = sweep(counts, nodes_on=nodes_on, sessions=sessions, pin=pin)
         return 0 if all(r["ok"] for r in rows) else 1
     quick = "--quick" in argv
     t = time.monotonic()

@@ -164,27 +164,33 @@ def test_a_download_while_another_call_holds_the_stream_goes_on_its_own_stream(s
     a.close(), b.close()
 
 
+def _one_signed(server, node: pb.NodeId, call: str, body: bytes, mac_field: int):
+    """Open a stream for ``node`` and send one ``call`` whose MAC was made for ``mac_field``:
+    the reply, or the ``grpc.RpcError`` that ended the stream."""
+    nonce, key = os.urandom(16), derive_key(SECRET)
+    out, replies, ch = _raw_stream(server.streams, server.security,
+                                   pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out.put(pb.SessionRequest(n=1, mac=session_mac(key, nonce, 1, mac_field, body),
+                              **{call: body}))
+    try:
+        return next(replies)
+    except grpc.RpcError as exc:
+        return exc
+    finally:
+        out.put(None)
+        ch.close()
+
+
 @pytest.mark.parametrize("server", ["secret"], indirect=True)  # MACs need a job secret
 def test_a_download_message_needs_the_mac_of_its_own_field(server):
     servicer, addr, security = server
     a, b = _joined(addr, security, 0), _joined(addr, security, 1)
     b.push("center", _vector(), round_id=0)
-    node, key = a._node(), derive_key(SECRET)
-    body = pb.PullParamsRequest(node=node, buffer=pb.BUFFER_KIND_CENTER).SerializeToString()
-    for field, ok in ((ACQUIRE_FIELD, False), (PULL_FIELD, True)):
-        nonce = os.urandom(16)
-        out, replies, ch = _raw_stream(server.streams, security,
-                                       pb.SessionRequest(n=0, node=node, nonce=nonce))
-        out.put(pb.SessionRequest(n=1, pull=body, mac=session_mac(key, nonce, 1, field, body)))
-        if ok:
-            reply = next(replies)
-            assert reply.code == 0 and len(reply.pull.data) == 4 * N
-        else:
-            with pytest.raises(grpc.RpcError) as e:
-                next(replies)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "MAC" in e.value.details()
-        out.put(None)
-        ch.close()
+    body = pb.PullParamsRequest(node=a._node(), buffer=pb.BUFFER_KIND_CENTER).SerializeToString()
+    refused = _one_signed(server, a._node(), "pull", body, ACQUIRE_FIELD)
+    assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and "MAC" in refused.details()
+    reply = _one_signed(server, a._node(), "pull", body, PULL_FIELD)
+    assert reply.code == 0 and len(reply.pull.data) == 4 * N
     a.close(), b.close()
 
 
@@ -255,25 +261,14 @@ def test_an_upload_message_needs_the_mac_of_its_own_field(server):
     servicer, addr, security = server
     a, b = _joined(addr, security, 0), _joined(addr, security, 1)
     servicer.params.begin(5, RoundKind.FINAL, 0, {0: 2, 1: 2}, 5.0)
-    node, key = a._node(), derive_key(SECRET)
     body = pb.SessionUpload(header=pb.PushHeader(
-        node=node, round_id=5, buffer=pb.BUFFER_KIND_NODE_SUM, param_count=N, summands=2),
+        node=a._node(), round_id=5, buffer=pb.BUFFER_KIND_NODE_SUM, param_count=N, summands=2),
         data=np.ones(N, np.float32).tobytes()).SerializeToString()
-    for field, ok in ((PULL_FIELD, False), (PUSH_FIELD, True)):
-        nonce = os.urandom(16)
-        out, replies, ch = _raw_stream(server.streams, security,
-                                       pb.SessionRequest(n=0, node=node, nonce=nonce))
-        out.put(pb.SessionRequest(n=1, push=body, mac=session_mac(key, nonce, 1, field, body)))
-        if ok:
-            reply = next(replies)
-            assert reply.code == 0 and reply.HasField("push")
-        else:
-            with pytest.raises(grpc.RpcError) as e:
-                next(replies)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert (0, "sum") in servicer.params.exchange.expected  # nothing taken
-        out.put(None)
-        ch.close()
+    refused = _one_signed(server, a._node(), "push", body, PULL_FIELD)
+    assert refused.code() == grpc.StatusCode.UNAUTHENTICATED and "MAC" in refused.details()
+    assert (0, "sum") in servicer.params.exchange.expected  # nothing taken
+    reply = _one_signed(server, a._node(), "push", body, PUSH_FIELD)
+    assert reply.code == 0 and reply.HasField("push")
     assert (0, "sum") not in servicer.params.exchange.expected
     a.close(), b.close()
 
