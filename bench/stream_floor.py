@@ -7,7 +7,10 @@ client processes: ``--streams`` bidirectional streams in all, each sending ``--m
 64-byte messages one at a time (as a node loop does), and as many unary calls. It prints the
 server's CPU per message (user + sys from /proc) for each server kind and call kind, in the
 same run, so that the ratio says whether an asyncio server would pay off (design-scale.md,
-section 2). The server does nothing but echo: this is the transport's cost alone.
+section 2). The server does nothing but echo: this is the transport's cost alone. A last row
+echoes the same messages on a plain TCP socket under asyncio (a ``Protocol``, a 4-byte length
+per message and an HMAC-SHA256 checked and made per message), the floor of a session protocol
+without gRPC (design-scale.md, "Step 6").
 """
 
 from __future__ import annotations
