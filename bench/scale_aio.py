@@ -6,8 +6,9 @@ client processes take most of the host (docs/benchmarks.md, "Step 3"), and every
 its thread's turn at the GIL: the harness, not the server, sets the round latency. Here each
 client process runs its nodes as tasks of one event loop on ``grpc.aio`` channels (one per node
 and port, as real nodes have), and speaks the node's side of the protocol as ``bench.scale``'s
-``_node`` does, message for message: Join; credit and round calls as messages of one ``Session``
-stream (on the server's session port when it has one); heartbeats by the same skipping rule; the
+``_node`` does, message for message: Join; credit and round calls as messages of one session
+stream (on the server's session port when it has one, a plain socket; else the gRPC ``Session``
+method on ``PORT``); heartbeats by the same skipping rule; the
 leader's upload and downloads of a global round; the final round's uploads; Leave. The records
 it writes are the same, so ``bench.scale`` measures both kinds of node the same way.
 
@@ -63,7 +64,7 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
         state["n"] += 1
         await stream.write(pb.SessionRequest(n=state["n"], **{field: req.SerializeToString()}))
         reply = await asyncio.wait_for(stream.read(), timeout)
-        if reply is grpc.aio.EOF:
+        if reply is grpc.aio.EOF or reply is None:
             raise _Refused(14, "the server closed the session stream")
         if reply.code:
             raise _Refused(reply.code, reply.details)
@@ -129,11 +130,13 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
                 await asyncio.sleep(0.2)
         node.session = resp.session
         out["joined"] = time.monotonic()
-        if resp.session_port:
-            channels.append(grpc.aio.insecure_channel(
-                f"{address.rsplit(':', 1)[0]}:{resp.session_port}", options=CHANNEL_OPTIONS))
-        stream = pb_grpc.GlobalServerStub(channels[-1]).Session()
-        await stream.write(pb.SessionRequest(n=0, node=node, nonce=os.urandom(16)))
+        opening = pb.SessionRequest(n=0, node=node, nonce=os.urandom(16))
+        if resp.session_port:  # the session port: a plain socket (lsgd/plane/session_wire.py)
+            stream = await _SocketStream.open(address.rsplit(":", 1)[0], resp.session_port,
+                                              opening)
+        else:  # the gRPC server's Session method on PORT
+            stream = pb_grpc.GlobalServerStub(channels[0]).Session()
+            await stream.write(opening)
         beat_task = asyncio.create_task(beat())
         held, last_round_seen, took = 0, 0, time.monotonic()
         while not stop.is_set():
@@ -203,6 +206,40 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
             stream.cancel()
         for ch in channels:
             await ch.close()
+
+
+class _SocketStream:
+    """A node's session stream on the session port, with the gRPC stream's ``write``, ``read``
+    (None at its end) and ``cancel`` (no job secret here: the opening's MAC is zeros)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def open(cls, host: str, port: int, opening: Any) -> "_SocketStream":
+        from lsgd.plane import session_wire as sw
+
+        reader, writer = await asyncio.open_connection(host, port)
+        sw.read_hello(await reader.readexactly(sw.HELLO_SIZE))
+        writer.write(sw.frame(bytes(sw.MAC_SIZE) + opening.SerializeToString()))
+        return cls(reader, writer)
+
+    async def write(self, msg: Any) -> None:
+        from lsgd.plane import session_wire as sw
+
+        self.writer.write(sw.frame(msg.SerializeToString()))
+
+    async def read(self) -> Any:
+        from lsgd.proto import lsgd_pb2 as pb
+
+        try:
+            size = int.from_bytes(await self.reader.readexactly(4), "big")
+            return pb.SessionReply.FromString(await self.reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            return None
+
+    def cancel(self) -> None:
+        self.writer.close()
 
 
 def client_main(spec: dict[str, Any], sc: Any) -> int:

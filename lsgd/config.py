@@ -36,8 +36,9 @@ class JobConfig:
     ip_addr: str = _f("127.0.0.1", "address of node 0, where the global server listens")
     port: int = _f(50051, "global server port (0: any free port, written to RUN_DIR/global.port)")
     session_port: int | None = _f(None, "the global server's port for the nodes' session streams "
-                                  "(their credit and round calls; an asyncio server): empty = "
-                                  "PORT+2 (any free port when PORT is 0), 0 = off (on PORT)")
+                                  "(their credit and round calls and small vectors, on plain "
+                                  "connections): empty = PORT+2 (any free port when PORT is "
+                                  "0), 0 = off (on PORT); off under TLS")
     bulk_port: int | None = _f(None, "the global server's port for the nodes' parameter "
                                "uploads and downloads (plain data connections, at a socket's "
                                "speed; off under TLS): empty = PORT+3 (any free port when PORT "
@@ -159,6 +160,10 @@ class JobConfig:
         need(self.bulk_port is None or 0 <= self.bulk_port <= 65535,
              f"bulk_port must be in 0..65535 (0: parameter transfers on PORT), got "
              f"{self.bulk_port}")
+        need(self.session_port is None or not self.session_port or self.tls_ca is None,
+             "SESSION_PORT's connections are authenticated by the job secret but not "
+             "encrypted: with TLS_CA set, leave SESSION_PORT empty or 0 (the session streams "
+             "stay on TLS, on PORT)")
         need(self.bulk_port is None or not self.bulk_port or self.tls_ca is None,
              "BULK_PORT's connections are authenticated by the job secret but not encrypted: "
              "with TLS_CA set, leave BULK_PORT empty or 0 (the transfers stay on TLS)")
@@ -328,9 +333,9 @@ class JobConfig:
 
     @property
     def session_address(self) -> int | None:
-        """The port of the nodes' session streams (asyncio server): None when off (the nodes
-        use ``port``), 0 for any free port."""
-        if self.session_port == 0:
+        """The port of the nodes' session streams (a plain socket, ``aio_session.py``): None
+        when off (the nodes use ``port``; always under TLS), 0 for any free port."""
+        if self.session_port == 0 or self.tls_ca is not None:
             return None
         if self.session_port is None:
             return 0 if self.port == 0 else (self.port + 2 if self.port < 65534 else 0)

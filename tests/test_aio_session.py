@@ -1,16 +1,16 @@
-"""The asyncio server of the nodes' Session streams (issue 15, design-scale.md step 4).
+"""The session port: the nodes' session streams on a plain socket, on one event loop (issue 15,
+design-scale.md steps 4 and 6).
 
 ``tests/test_session_stream.py`` runs the stream's behaviours on both servers; this file covers
-what only the second port has: the nodes find it through Join, a long-poll on it wakes on the
-servicer's news (not on a timer), an opening signed for one port is not replayed on the other,
-a node that cannot reach the port uses PORT, and stopping the server ends the open streams
-with a status the node understands.
+what only the session port has: the nodes find it through Join, a long-poll on it wakes on the
+servicer's news (not on a timer), an opening's MAC is good on its own connection only, a node
+that cannot reach the port uses PORT, garbage and fuzzed frames change nothing, and stopping
+the server ends the open streams with a status the node understands.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import threading
 import time
@@ -22,10 +22,11 @@ from lsgd.config import JobConfig
 from lsgd.global_server.server import build_servicer, create_server
 from lsgd.local_server.global_client import GlobalClient
 from lsgd.proto import lsgd_pb2 as pb
-from lsgd.proto import lsgd_pb2_grpc as pb_grpc
 from lsgd.rules.base import RoundKind
 from lsgd.security import Security
-from lsgd.signing import SESSION_METHOD, SIGNATURE_KEY, derive_key, sign
+from lsgd.plane import session_wire
+from lsgd.signing import ACQUIRE_FIELD, derive_key, session_mac
+from tests.test_session_stream import _replies
 
 SECRET = "a" * 40
 
@@ -106,66 +107,82 @@ def test_a_round_barrier_on_the_loop_is_answered_when_the_last_report_closes_it(
         srv.stop(0.5).wait(5)
 
 
-def _open(addr: str, opening: pb.SessionRequest, signature: str | None):
-    channel = grpc.insecure_channel(addr)
-    out: queue.SimpleQueue = queue.SimpleQueue()
-    out.put(opening)
-    md = [(SIGNATURE_KEY, signature)] if signature else []
-    replies = pb_grpc.GlobalServerStub(channel).Session(iter(out.get, None), metadata=md)
-    return out, replies, channel
+def _hello(sock: socket.socket) -> bytes:
+    data = b""
+    while len(data) < session_wire.HELLO_SIZE:
+        data += sock.recv(session_wire.HELLO_SIZE - len(data))
+    return session_wire.read_hello(data)
 
 
-def test_openings_need_the_secret_and_one_signed_for_a_port_is_not_replayed_on_the_other():
+def test_an_opening_needs_the_secret_and_its_mac_is_good_on_its_connection_only():
     security = Security(secret=SECRET)
     servicer, srv, addr = _server(security)
-    streams = f"127.0.0.1:{servicer.session_port}"
+    port = servicer.session_port
     try:
         a, b = _joined(addr, 0, security), _joined(addr, 1, security)
         opening = pb.SessionRequest(n=0, node=a._node(), nonce=b"n" * 16)
         body = opening.SerializeToString()
-        for signature in (None, sign(derive_key("w" * 40), SESSION_METHOD, body)):
-            out, replies, ch = _open(streams, opening, signature)
-            with pytest.raises(grpc.RpcError) as e:
-                next(replies)
-            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-            assert "secret" in e.value.details()
-            out.put(None), ch.close()
-        # One genuine signature: the first port to see it takes it, the other refuses it.
-        signature = sign(derive_key(SECRET), SESSION_METHOD, body)
         key = derive_key(SECRET)
-        from lsgd.signing import ACQUIRE_FIELD, session_mac
-
         call = pb.AcquireCreditsRequest(node=a._node(), want=4, seq=1).SerializeToString()
         first = pb.SessionRequest(n=1, acquire=call,
                                   mac=session_mac(key, b"n" * 16, 1, ACQUIRE_FIELD, call))
-        out, replies, ch = _open(streams, opening, signature)
-        out.put(first)
-        assert next(replies).acquire.grant > 0
-        out.put(None), ch.close()
-        out, replies, ch = _open(addr, opening, signature)  # the same, on PORT
-        out.put(first)
-        with pytest.raises(grpc.RpcError) as e:
-            next(replies)
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert "replay" in e.value.details() or "seen" in e.value.details()
-        out.put(None), ch.close()
+        for mac in (bytes(32), None):  # none, and the wrong secret's
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                nonce = _hello(sock)
+                mac = mac or session_wire.opening_mac(derive_key("w" * 40), nonce, body)
+                sock.sendall(session_wire.frame(mac + body))
+                with pytest.raises(grpc.RpcError) as e:
+                    next(_replies(sock))
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                assert "secret" in e.value.details()
+        # A genuine opening and its first message, then both again on another connection:
+        # that connection's hello had another nonce, so the opening is refused.
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            genuine = session_wire.opening_mac(key, _hello(sock), body)
+            sock.sendall(session_wire.frame(genuine + body))
+            sock.sendall(session_wire.frame(first.SerializeToString()))
+            assert next(_replies(sock)).acquire.grant > 0
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            _hello(sock)
+            sock.sendall(session_wire.frame(genuine + body))
+            sock.sendall(session_wire.frame(first.SerializeToString()))
+            with pytest.raises(grpc.RpcError) as e:
+                next(_replies(sock))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert servicer.coord.nodes[0].outstanding > 0 and servicer.coord.done == 0
+        assert servicer.stats.copy()[0] == {("Session", "UNAUTHENTICATED"): 3}
         a.close(), b.close()
     finally:
         srv.stop(0.5).wait(5)
 
 
-class _Silent(pb_grpc.GlobalServerServicer):
-    """A server that takes session messages and never answers."""
+class _Mute(threading.Thread):
+    """A session port that says hello to the first connection (a node's look at it, at its
+    join) and is silent on every later one."""
 
-    def Session(self, request_iterator, context):
-        for _ in request_iterator:
-            pass
-        return iter(())
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+
+    def run(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            if not self.conns:
+                conn.sendall(session_wire.hello()[0])
+            self.conns.append(conn)
+
+    def stop(self) -> None:
+        self.sock.close()
+        for c in self.conns:
+            c.close()
 
 
 def test_a_node_that_cannot_reach_the_session_port_uses_port_and_says_so(caplog, monkeypatch):
-    from concurrent import futures
-
     from lsgd.local_server import global_client
 
     monkeypatch.setattr(global_client, "PORT_PROBE", 1.0)
@@ -173,10 +190,9 @@ def test_a_node_that_cannot_reach_the_session_port_uses_port_and_says_so(caplog,
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    silent = grpc.server(futures.ThreadPoolExecutor(2))
-    pb_grpc.add_GlobalServerServicer_to_server(_Silent(), silent)
-    mute = silent.add_insecure_port("127.0.0.1:0")
+    silent = _Mute()
     silent.start()
+    mute = silent.port
     try:
         # 1. Nothing listens there: the join's probe finds out (within PORT_PROBE), once.
         servicer.session_port = closed
@@ -188,7 +204,8 @@ def test_a_node_that_cannot_reach_the_session_port_uses_port_and_says_so(caplog,
         g = a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
         assert g.grant > 0 and servicer.admission.open_sessions == 1  # on PORT
         a.close(), b.close()
-        # 2. It connects but never answers: the first call's deadline, then PORT for good.
+        # 2. It answered the join's look, then nothing: the first call's deadline, then PORT
+        # for good.
         caplog.clear()
         monkeypatch.setattr(global_client, "RPC_TIMEOUT", 1.0)
         srv.stop(0.5).wait(5)
@@ -209,7 +226,7 @@ def test_a_node_that_cannot_reach_the_session_port_uses_port_and_says_so(caplog,
         c.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
         c.close()
     finally:
-        silent.stop(0).wait(5)
+        silent.stop()
         srv.stop(0.5).wait(5)
 
 
@@ -278,14 +295,36 @@ def test_stopping_the_server_ends_open_streams_with_unavailable():
     a.close(), b.close()
 
 
+def _stream_of(port: int, first: bytes, rest: list[bytes], frame_first: bool = True):
+    """Send ``first`` (framed, unless not ``frame_first``) and ``rest`` as frames; the replies
+    until the stream ends (its status raised as a ``grpc.RpcError``) or 5 s pass."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        _hello(sock)
+        try:
+            sock.sendall(session_wire.frame(first) if frame_first else first)
+            for m in rest:
+                sock.sendall(session_wire.frame(m))
+        except OSError:
+            pass  # ended already: the status says why
+        replies = []
+        try:
+            for reply in _replies(sock):
+                replies.append(reply)
+                if len(replies) == len(rest):
+                    break
+        except socket.timeout:
+            pass  # waiting for a message that never came (a truncated frame)
+        return replies
+
+
 def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change_nothing():
-    """Raw bytes on the port, and streams of arbitrary messages (truncated, oversized, several
+    """Raw bytes on the port, and streams of arbitrary frames (truncated, oversized, several
     calls, none, numbers out of order, calls that do not parse): each gets a reply or a status,
     no refused call changes the state, and a real node is served afterwards."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from lsgd.wire import MAX_MESSAGE
+    from lsgd.wire import SMALL_VECTOR
 
     servicer, srv, addr = _server()
     port = servicer.session_port
@@ -295,10 +334,8 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
                      b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\xff" * 64):
             with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
                 s.sendall(junk)
-        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-        raw = channel.stream_stream("/lsgd.v1.GlobalServer/Session", request_serializer=None,
-                                    response_deserializer=pb.SessionReply.FromString)
-        opening = pb.SessionRequest(n=0, node=a._node(), nonce=b"x" * 16).SerializeToString()
+        opening = bytes(32) + pb.SessionRequest(n=0, node=a._node(),
+                                                nonce=b"x" * 16).SerializeToString()
         body = st.one_of(st.binary(max_size=64), st.just(b"\x0a\xff\xff\xff\x0f"),
                          st.builds(lambda s: pb.AcquireCreditsRequest(
                              node=pb.NodeId(job_id="job", node_index=s % 3, session=s),
@@ -306,7 +343,8 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
         message = st.one_of(
             st.binary(max_size=80),
             st.builds(lambda n, f, x: pb.SessionRequest(n=n, **{f: x}).SerializeToString(),
-                      st.integers(0, 5), st.sampled_from(["acquire", "report", "digest", "pull", "push"]), body),
+                      st.integers(0, 5), st.sampled_from(["acquire", "report", "digest", "pull",
+                                                          "push"]), body),
             st.builds(lambda n, x, y: pb.SessionRequest(n=n, acquire=x, report=y).SerializeToString(),
                       st.integers(0, 3), body, body))
         before = (servicer.coord.done, {i: n.outstanding for i, n in servicer.coord.nodes.items()})
@@ -315,9 +353,8 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
         @given(first=st.one_of(st.just(opening), st.binary(max_size=40)),
                rest=st.lists(message, max_size=4))
         def stream_of(first, rest):
-            call = raw(iter([first, *rest]), timeout=5)
             try:
-                for reply in call:  # every reply numbered: an answer, or a refusal's code
+                for reply in _stream_of(port, first, rest):  # each numbered: an answer, or a refusal
                     assert reply.n >= 1
                     assert reply.code or any(reply.HasField(f) for f in (
                         "acquire", "report", "digest", "pull", "push"))
@@ -325,23 +362,26 @@ def test_garbage_and_fuzzed_messages_on_the_session_port_get_a_status_and_change
                 assert exc.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                       grpc.StatusCode.PERMISSION_DENIED,
                                       grpc.StatusCode.FAILED_PRECONDITION,
-                                      grpc.StatusCode.CANCELLED), exc
+                                      grpc.StatusCode.UNAUTHENTICATED,
+                                      grpc.StatusCode.UNAVAILABLE), exc
 
         stream_of()
-        from lsgd.global_server.aio_session import MAX_MESSAGE as SESSION_MAX
-
-        from lsgd.wire import SMALL_VECTOR
-
-        limit = SMALL_VECTOR + SESSION_MAX  # a call beside a small vector: read nothing bigger
-        assert limit < MAX_MESSAGE
-        with pytest.raises(grpc.RpcError) as e:  # an opening is small: refused before its hash
-            list(raw(iter([b"\x00" * (SESSION_MAX + 1)]), timeout=10))
-        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "opening" in e.value.details()
-        for big in ([b"\x00" * (limit + 1)], [opening, b"\x00" * (limit + 1)]):
-            with pytest.raises(grpc.RpcError) as e:
-                list(raw(iter(big), timeout=10))
+        limit = SMALL_VECTOR + 64 * 1024  # a call beside a small vector: read nothing bigger
+        for first, rest, what in (((1 << 17).to_bytes(4, "big"), [], "an opening"),
+                                  (opening, [], None),
+                                  ((limit + 1).to_bytes(4, "big"), [], "an opening")):
+            if what is None:  # a genuine opening, then a message over the limit
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+                    _hello(sock)
+                    sock.sendall(session_wire.frame(opening) + (limit + 1).to_bytes(4, "big"))
+                    with pytest.raises(grpc.RpcError) as e:
+                        next(_replies(sock))
+                    what = "a message"
+            else:
+                with pytest.raises(grpc.RpcError) as e:
+                    _stream_of(port, first, rest, frame_first=False)
             assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        channel.close()
+            assert e.value.details().startswith(what)
         # no call for another node or session went through, and nothing else changed anything
         assert (servicer.coord.done, {i: n.outstanding for i, n in
                                       servicer.coord.nodes.items()}) == before
@@ -366,23 +406,20 @@ def test_a_session_port_in_use_is_one_clear_error_and_leaves_nothing_listening()
     assert not any(t.name == "lsgd-session-server" for t in threading.enumerate())
 
 
-def test_refused_streams_are_counted_and_an_unsigned_one_is_refused_at_once():
+def test_refused_streams_are_counted_and_an_unsigned_opening_is_refused_at_once():
     security = Security(secret=SECRET)
     servicer, srv, addr = _server(security)
-    streams = f"127.0.0.1:{servicer.session_port}"
     try:
         a, b = _joined(addr, 0, security), _joined(addr, 1, security)
-        # a stream with no signature that sends nothing: refused at once, not held until its
-        # opening is due (5 s)
-        ch = grpc.insecure_channel(streams)
-        silent: queue.SimpleQueue = queue.SimpleQueue()
-        replies = pb_grpc.GlobalServerStub(ch).Session(iter(silent.get, None))
-        t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as e:
-            next(replies)
-        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        assert time.monotonic() - t0 < 2.0
-        silent.put(None), ch.close()
+        with socket.create_connection(("127.0.0.1", servicer.session_port), timeout=5) as sock:
+            _hello(sock)
+            opening = pb.SessionRequest(n=0, node=a._node(), nonce=b"n" * 16).SerializeToString()
+            t0 = time.monotonic()
+            sock.sendall(session_wire.frame(bytes(32) + opening))
+            with pytest.raises(grpc.RpcError) as e:
+                next(_replies(sock))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert time.monotonic() - t0 < 2.0
         assert servicer.stats.copy()[0] == {("Session", "UNAUTHENTICATED"): 1}
         a.close(), b.close()
     finally:
@@ -445,5 +482,30 @@ def test_digest_questions_waiting_for_their_source_do_not_queue_behind_each_othe
         assert len(took) == 10 and max(took) < 2.5, took  # in a pool of 2 threads: 5 s
         for c in clients:
             c.close()
+    finally:
+        srv.stop(0.5).wait(5)
+
+
+def test_a_stream_that_does_not_wait_for_its_replies_is_ended():
+    """A node makes one call at a time: a connection that pours frames in is ended (so that
+    neither its frames nor its replies pile up in the server)."""
+    servicer, srv, addr = _server()
+    try:
+        a, b = _joined(addr, 0), _joined(addr, 1)
+        with socket.create_connection(("127.0.0.1", servicer.session_port), timeout=5) as sock:
+            _hello(sock)
+            opening = pb.SessionRequest(n=0, node=a._node(), nonce=b"n" * 16)
+            calls = [pb.SessionRequest(n=n, acquire=pb.AcquireCreditsRequest(
+                node=a._node(), want=1, seq=n).SerializeToString()) for n in range(1, 9)]
+            sock.sendall(session_wire.frame(bytes(32) + opening.SerializeToString())
+                         + b"".join(session_wire.frame(c.SerializeToString()) for c in calls))
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in _replies(sock):
+                    pass
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "one call at a time" in e.value.details()
+        g = b.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        assert g.grant >= 0  # the server goes on
+        a.close(), b.close()
     finally:
         srv.stop(0.5).wait(5)

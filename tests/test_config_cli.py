@@ -64,6 +64,9 @@ def run_train(tmp_path, *env_pairs: tuple[str, str], args=("0",), timeout=60):
     ((("BULK_PORT", "50060"), ("TLS_CA", "ca.pem")),
      "BULK_PORT's connections are authenticated by the job secret but not encrypted: with "
      "TLS_CA set, leave BULK_PORT empty or 0"),
+    ((("SESSION_PORT", "50060"), ("TLS_CA", "ca.pem")),
+     "SESSION_PORT's connections are authenticated by the job secret but not encrypted: with "
+     "TLS_CA set, leave SESSION_PORT empty or 0"),
 ])
 def test_bad_config_one_clear_line(tmp_path, env, expected):
     if expected is None:

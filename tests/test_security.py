@@ -250,8 +250,10 @@ def test_a_job_over_mutual_tls_with_a_secret(cluster, certs, tmp_path):
     assert n0.wait(90) == 0, n0.output
     assert n1.wait(30) == 0, n1.output
     assert n0.summary()["counter"] == 2000
-    # the loops' streams went to the asyncio session port, over the same mutual TLS
-    assert "session streams on port" in n0.output
+    # no session port under TLS (its connections are not encrypted): the loops' streams went
+    # to PORT, over the same mutual TLS, and no node looked for another port
+    assert "no session port and no bulk port under TLS" in n0.output
+    assert "session streams on port" not in n0.output
     assert "did not answer" not in n0.output + n1.output
     run = cluster.run_dir
     for p in [run / "node0", run / "node1", run / "global"]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
+import socket
 import threading
 import time
 from concurrent import futures
@@ -19,6 +20,7 @@ import pytest
 from lsgd.config import JobConfig
 from lsgd.global_server.server import build_servicer, create_server
 from lsgd.local_server import session_stream
+from lsgd.plane import session_wire
 from lsgd.local_server.global_client import GlobalClient
 from lsgd.proto import lsgd_pb2 as pb
 from lsgd.proto import lsgd_pb2_grpc as pb_grpc
@@ -56,6 +58,13 @@ class Served:
 
     def __iter__(self):
         return iter((self.servicer, self.addr, self.security))
+
+    def raw(self, opening: pb.SessionRequest):
+        """A hand-driven stream opened with ``opening`` where the node's streams go: (send,
+        replies, closer); ``send.put(None)`` ends it."""
+        if self.servicer.session_port:
+            return _raw_socket(self.streams, self.security, opening)
+        return _raw_stream(self.addr, self.security, opening)
 
     @property
     def open_sessions(self) -> int:
@@ -128,6 +137,56 @@ def _raw_stream(addr: str, security: Security, opening: pb.SessionRequest):
     return out, replies, channel
 
 
+class _Sender:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def put(self, msg: pb.SessionRequest | None) -> None:
+        if msg is None:
+            self.sock.close()
+            return
+        try:
+            self.sock.sendall(session_wire.frame(msg.SerializeToString()))
+        except OSError:
+            pass  # the server ended the stream: the next read says how
+
+
+def _replies(sock: socket.socket):
+    """The replies on a session-port connection; its end raises the status (a ``CallError``)."""
+    from lsgd.local_server.session_stream import CODES, CallError
+
+    def read(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            part = sock.recv(n - len(out))
+            if not part:
+                raise CallError(grpc.StatusCode.UNAVAILABLE, "the connection closed")
+            out += part
+        return out
+
+    while True:
+        reply = pb.SessionReply.FromString(read(int.from_bytes(read(4), "big")))
+        if reply.n == 0 and reply.code:
+            raise CallError(CODES[reply.code], reply.details)
+        yield reply
+
+
+def _raw_socket(addr: str, security: Security, opening: pb.SessionRequest, mac: bytes | None = None):
+    """A hand-driven stream on the session port (``session_wire.py``): (send, replies, closer),
+    as ``_raw_stream``; the opening's MAC is made with the job secret unless ``mac`` is given."""
+    host, port = addr.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    hello = b""
+    while len(hello) < session_wire.HELLO_SIZE:
+        hello += sock.recv(session_wire.HELLO_SIZE - len(hello))
+    body = opening.SerializeToString()
+    key = derive_key(security.secret) if security.secret else None
+    if mac is None:
+        mac = session_wire.opening_mac(key, session_wire.read_hello(hello), body)
+    sock.sendall(session_wire.frame(mac + body))
+    return _Sender(sock), _replies(sock), sock
+
+
 def _acquire_body(node: pb.NodeId, seq: int, consumed: int = 0) -> bytes:
     return pb.AcquireCreditsRequest(node=node, consumed=consumed, want=4, seq=seq).SerializeToString()
 
@@ -151,7 +210,7 @@ def test_forged_replayed_reordered_or_moved_messages_end_the_stream_and_change_n
     }
     for why, mac in cases.items():
         nonce = os.urandom(16)
-        out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+        out, replies, ch = server.raw(pb.SessionRequest(n=0, node=node, nonce=nonce))
         body = _acquire_body(node, 1)
         out.put(pb.SessionRequest(n=1, acquire=body, mac=mac(nonce, 1, body)))
         with pytest.raises(grpc.RpcError) as e:
@@ -163,7 +222,7 @@ def test_forged_replayed_reordered_or_moved_messages_end_the_stream_and_change_n
     assert servicer.coord.nodes[0].outstanding == 0 and servicer.coord.done == 0
     # A genuine message sent twice: the copy's number is out of order.
     nonce = os.urandom(16)
-    out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out, replies, ch = server.raw(pb.SessionRequest(n=0, node=node, nonce=nonce))
     body = _acquire_body(node, 1)
     msg = pb.SessionRequest(n=1, acquire=body, mac=session_mac(key, nonce, 1, ACQUIRE_FIELD, body))
     out.put(msg)
@@ -185,7 +244,7 @@ def test_bad_openings_and_calls_for_another_node_are_refused(server):
     key = derive_key(SECRET) if security.secret else None
     for opening in (pb.SessionRequest(n=0, node=a._node()),  # no nonce
                     pb.SessionRequest(n=1, node=a._node(), nonce=os.urandom(16))):
-        out, replies, ch = _raw_stream(server.streams, security, opening)
+        out, replies, ch = server.raw(opening)
         with pytest.raises(grpc.RpcError) as e:
             next(replies)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -193,7 +252,7 @@ def test_bad_openings_and_calls_for_another_node_are_refused(server):
         ch.close()
     # Node 0's stream carrying node 1's call: that call is refused, the stream goes on.
     nonce = os.urandom(16)
-    out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=a._node(),
+    out, replies, ch = server.raw(pb.SessionRequest(n=0, node=a._node(),
                                                                      nonce=nonce))
     for n, who in ((1, b), (2, a)):
         body = _acquire_body(who._node(), 1)
@@ -323,17 +382,25 @@ def test_session_streams_are_capped_and_a_stream_without_an_opening_is_cancelled
         _acquire(b)  # a's stream was given back: b's opens
         assert b._session_port == servicer.session_port  # a full server is no reason to leave
         b.close()
-        # A stream that never sends its opening message holds its thread for header_wait only.
-        channel = grpc.insecure_channel(served.streams)
-        silent: queue.SimpleQueue = queue.SimpleQueue()
-        replies = pb_grpc.GlobalServerStub(channel).Session(iter(silent.get, None))
+        # A stream that never sends its opening message holds its place for header_wait only.
         t0 = time.monotonic()
+        if transport == "aio":
+            sock = socket.create_connection(("127.0.0.1", servicer.session_port), timeout=10)
+            replies = _replies(sock)
+            sock.recv(session_wire.HELLO_SIZE)
+        else:
+            channel = grpc.insecure_channel(served.streams)
+            silent: queue.SimpleQueue = queue.SimpleQueue()
+            replies = pb_grpc.GlobalServerStub(channel).Session(iter(silent.get, None))
         with pytest.raises(grpc.RpcError) as e:
             next(replies)
         assert e.value.code() == grpc.StatusCode.CANCELLED and time.monotonic() - t0 < 3.0
         assert servicer.admission.cancelled["header"] == 1
-        silent.put(None)
-        channel.close()
+        if transport == "aio":
+            sock.close()
+        else:
+            silent.put(None)
+            channel.close()
     finally:
         srv.stop(grace=0.5).wait(5)
 
@@ -352,7 +419,7 @@ def test_a_digest_question_rides_the_stream_under_its_own_mac(server):
     assert servicer.calls.counts["Digest"] == 1
     node, key, nonce = c._node(), derive_key(SECRET), os.urandom(16)
     body = pb.DigestRequest(node=node, round_id=3).SerializeToString()
-    out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out, replies, ch = server.raw(pb.SessionRequest(n=0, node=node, nonce=nonce))
     out.put(pb.SessionRequest(n=1, digest=body, mac=session_mac(key, nonce, 1, ACQUIRE_FIELD, body)))
     with pytest.raises(grpc.RpcError) as e:
         next(replies)
@@ -360,7 +427,7 @@ def test_a_digest_question_rides_the_stream_under_its_own_mac(server):
     out.put(None)
     ch.close()
     nonce = os.urandom(16)
-    out, replies, ch = _raw_stream(server.streams, security, pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out, replies, ch = server.raw(pb.SessionRequest(n=0, node=node, nonce=nonce))
     out.put(pb.SessionRequest(n=1, digest=body, mac=session_mac(key, nonce, 1, DIGEST_FIELD, body)))
     reply = next(replies)
     assert reply.code == 0 and reply.HasField("digest") and reply.digest.sha256 == b""

@@ -22,7 +22,7 @@ from lsgd.proto import lsgd_pb2 as pb
 from lsgd.security import Security
 from lsgd.rules.base import RoundKind
 from lsgd.signing import ACQUIRE_FIELD, PULL_FIELD, PUSH_FIELD, derive_key, session_mac
-from tests.test_session_stream import SECRET, Served, _raw_stream
+from tests.test_session_stream import SECRET, Served
 
 N = 1000  # elements: 4 KB, far below the bulk port's and the session's bounds
 
@@ -168,8 +168,7 @@ def _one_signed(server, node: pb.NodeId, call: str, body: bytes, mac_field: int)
     """Open a stream for ``node`` and send one ``call`` whose MAC was made for ``mac_field``:
     the reply, or the ``grpc.RpcError`` that ended the stream."""
     nonce, key = os.urandom(16), derive_key(SECRET)
-    out, replies, ch = _raw_stream(server.streams, server.security,
-                                   pb.SessionRequest(n=0, node=node, nonce=nonce))
+    out, replies, ch = server.raw(pb.SessionRequest(n=0, node=node, nonce=nonce))
     out.put(pb.SessionRequest(n=1, mac=session_mac(key, nonce, 1, mac_field, body),
                               **{call: body}))
     try:
@@ -278,7 +277,8 @@ def test_at_a_round_close_the_leaders_node_hears_first():
     before theirs, whatever order they reported in."""
     import asyncio
 
-    from lsgd.global_server.aio_session import ROUNDS, SessionServer
+    from lsgd.global_server.aio_session import SessionServer
+    from lsgd.global_server.session_calls import ROUNDS
     from lsgd.global_server.admission import Limits
 
     servicer = build_servicer(JobConfig(num_groups=4, workers=1, job_id="job", algorithm="lsgd"))

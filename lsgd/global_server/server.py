@@ -77,7 +77,7 @@ def build_servicer(config: JobConfig) -> GlobalServicer:
 
 class GlobalServers:
     """The global server's servers: the synchronous gRPC one (every call) and, where asked, the
-    asyncio one of the ``Session`` streams (``aio_session.py``) and the bulk port
+    session port's (``aio_session.py``) and the bulk port
     (``bulk.py``). ``stop`` stops them all; anything else is the synchronous server's."""
 
     def __init__(self, server: grpc.Server, sessions: SessionServer | None,
@@ -110,10 +110,11 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
     calls in ``servicer.stats``. The server also answers gRPC health checks (SERVING until the
     job is over, ``servicer.health``) and server reflection (``probes.py``).
 
-    With ``session_address``, the nodes' ``Session`` streams get an asyncio server there too
+    With ``session_address``, the nodes' session streams get a plain-socket server there too
     (``aio_session.py``); Join answers tell the nodes its port (``servicer.session_port``).
     With ``bulk_address``, parameter uploads and downloads also have a bulk port there
-    (``bulk.py``; ``servicer.bulk_port``). Never under TLS: its connections are not encrypted.
+    (``bulk.py``; ``servicer.bulk_port``). Neither under TLS: their connections are not
+    encrypted.
     """
     security = security or Security()
     limits = limits or Limits.for_job(servicer.coord.num_groups, servicer.round_timeout)
@@ -130,9 +131,12 @@ def create_server(address: str, servicer: GlobalServicer, security: Security | N
         except OSError as exc:
             raise OSError(f"{exc} (BULK_PORT, the nodes' parameter transfers; empty: PORT+3); "
                           "set BULK_PORT to a free port, or 0 to move them on PORT") from None
-    if session_address is not None:  # first: a port it cannot have leaves nothing bound
-        # one nonce memory for both ports: a signed opening is not replayed on the other
-        sessions = SessionServer(servicer, limits, security, checks[0].verifier)
+    tls = security.ca is not None or security.cert is not None
+    if session_address is not None and tls:
+        log.info("no session port under TLS (its connections are not encrypted): the nodes' "
+                 "session streams go to PORT")
+    elif session_address is not None:  # first: a port it cannot have leaves nothing bound
+        sessions = SessionServer(servicer, limits, security.secret, checks[0].verifier)
         try:
             servicer.session_port = sessions.start(session_address)
         except OSError as exc:
@@ -249,6 +253,10 @@ def serve(config: JobConfig, ready: "object | None" = None, stop_event: threadin
     log.info("global server listening on %s:%d (job %s)%s%s", bind, port, config.job_id,
              f"; session streams on port {servicer.session_port}" if servicer.session_port else "",
              f"; bulk transfers on port {servicer.bulk_port}" if servicer.bulk_port else "")
+    if config.tls_ca is not None:
+        log.info("no session port and no bulk port under TLS (their connections are "
+                 "authenticated, not encrypted): the nodes' session streams and transfers stay "
+                 "on PORT")
     servicer.board.restarts = _count_restarts(out, restore)
     page = start_status_page(config, servicer, security.secret if security else None, out,
                              restore=restore)

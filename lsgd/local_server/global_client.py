@@ -23,6 +23,7 @@ from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..security import Security
 from ..signing import derive_key
 from ..wire import GRPC_OPTIONS
+from .session_socket import SocketSession, probe
 from .session_stream import SessionStream
 from .transfer_client import BUFFER_KINDS, WIRE_FORMATS, ParamTransfers
 
@@ -79,6 +80,7 @@ class GlobalClient:
     def __init__(self, address: str, job_id: str, node_index: int, round_timeout: float,
                  security: Security | None = None) -> None:
         self.address = address
+        self._host = address.rsplit(":", 1)[0].strip("[]")
         self.job_id, self.node_index = job_id, node_index
         self.round_timeout = round_timeout
         self.session = 0
@@ -100,12 +102,9 @@ class GlobalClient:
         self._stream: SessionStream | None = None
         self._stream_lock = threading.Lock()
         self._call_lock = threading.RLock()  # one call at a time on the stream
-        # The server's asyncio port for session streams (JoinResponse.session_port; 0: none, or
-        # it could not be reached: the streams go to ``address`` then).
-        self._security = security
+        # The server's session port (JoinResponse.session_port; 0: none, or it could not be
+        # reached: the streams go to ``address``'s gRPC Session method then).
         self._session_port = 0
-        self._session_channel: grpc.Channel | None = None
-        self._session_stub: pb_grpc.GlobalServerStub | None = None
         self._unreachable = (0, 0)  # (server epoch, session port) that did not answer
         self.transfers = ParamTransfers(self._channel, self._md, security.secret, address,
                                         node_index, lambda: self.round_timeout + RPC_TIMEOUT)
@@ -117,15 +116,14 @@ class GlobalClient:
         self._channel.close()
 
     def _session_port_ready(self, epoch: int) -> bool:
-        """Whether the session port connects within ``PORT_PROBE`` seconds (a firewall that
+        """Whether the session port answers within ``PORT_PROBE`` seconds (a firewall that
         drops its packets would otherwise cost the node's first call its whole deadline)."""
-        try:
-            grpc.channel_ready_future(self._session_channel).result(timeout=PORT_PROBE)
+        why = probe(self._host, self._session_port, PORT_PROBE)
+        if why is None:
             return True
-        except grpc.FutureTimeoutError:
-            self._unreachable = (epoch, self._session_port)
-            self._warn_unreachable(self._session_port, f"no connection within {PORT_PROBE:g} s")
-            return False
+        self._unreachable = (epoch, self._session_port)
+        self._warn_unreachable(self._session_port, why)
+        return False
 
     def _warn_unreachable(self, port: int, why: str) -> None:
         log.warning("node %d: the global server's session port %d did not answer (%s); the "
@@ -134,15 +132,7 @@ class GlobalClient:
 
     def _use_session_port(self, port: int) -> None:
         """Open session streams on the server's ``port`` from now on (0: on ``address``)."""
-        if port == self._session_port and (self._session_channel is not None or not port):
-            return
-        if self._session_channel is not None:
-            self._session_channel.close()
-        self._session_port, self._session_channel, self._session_stub = port, None, None
-        if port:
-            host = self.address.rsplit(":", 1)[0]
-            self._session_channel = self._security.channel(f"{host}:{port}", CHANNEL_OPTIONS)
-            self._session_stub = pb_grpc.GlobalServerStub(self._session_channel)
+        self._session_port = port
 
     def _end_stream(self) -> None:
         with self._stream_lock:
@@ -171,9 +161,11 @@ class GlobalClient:
             if s is None or s.ended or s.node.session != self.session:
                 if s is not None:
                     s.close()
-                stub = self._session_stub or self._stub
-                s = self._stream = SessionStream(stub, self._md, self._key, self._node())
-                s.port = self._session_port if stub is self._session_stub else 0
+                if self._session_port:
+                    s = SocketSession(self._host, self._session_port, self._key, self._node())
+                else:
+                    s = SessionStream(self._stub, self._md, self._key, self._node())
+                self._stream = s
         try:
             return s.call(field, request.SerializeToString(), timeout)
         except grpc.RpcError as exc:

@@ -101,13 +101,7 @@ class SessionStream:
         finally:
             WATCHDOG.done(self)
         self.answered = True
-        if reply.n != self.n:
-            self.close()
-            raise CallError(grpc.StatusCode.INTERNAL, f"session reply {reply.n} to message "
-                            f"{self.n}: the stream is out of step")
-        if reply.code:
-            raise CallError(CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details)
-        return getattr(reply, field)
+        return answer_of(self, reply, field)
 
     @property
     def ended(self) -> bool:
@@ -129,6 +123,18 @@ class SessionStream:
                 return
             self.expired = True
         self._call.cancel()
+
+
+def answer_of(stream, reply: pb.SessionReply, field: str):  # noqa: ANN001, ANN201
+    """The answer a reply carries to ``stream``'s call ``stream.n`` (``CallError`` if it
+    refused the call; the stream is closed if the reply is another call's)."""
+    if reply.n != stream.n:
+        stream.close()
+        raise CallError(grpc.StatusCode.INTERNAL, f"session reply {reply.n} to message "
+                        f"{stream.n}: the stream is out of step")
+    if reply.code:
+        raise CallError(CODES.get(reply.code, grpc.StatusCode.UNKNOWN), reply.details)
+    return getattr(reply, field)
 
 
 def _from_server(exc: grpc.RpcError) -> bool:

@@ -1,0 +1,187 @@
+"""A node session's calls on the session server's event loop (``aio_session.py``): answered by
+the same steps as their unary forms (``polls.py``), waiting on futures instead of threads.
+
+A step runs on the loop with the servicer's lock held for microseconds; a long-poll or a round
+barrier waits on a future that the servicer's ``on_news`` resolves. A small download waits the
+same way for the parameter store's news (``ParamStore.on_change``); a small upload of a round's
+sum never waits, and runs on the loop. Digests and leader uploads, rare and sometimes slow (a
+hash of the center; a leader's digest, which ``PLANE=chain`` waits for), run in a small thread
+pool. At a round's close the leader's node is answered first: every other node's download
+waits for its upload.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent import futures
+from typing import TYPE_CHECKING
+
+import grpc
+
+from ..proto import lsgd_pb2 as pb
+from .coordinator import CoordinatorError
+from .params import ParamError
+from .polls import CreditPoll, RoundBarrier
+from .session import CallContext, Refused, method_of, parse_call
+
+if TYPE_CHECKING:
+    from .servicer import GlobalServicer
+
+DIGEST_POLL = 0.05  # seconds between looks while a digest question waits
+PULL_TICK = 0.2  # seconds a download waits for the store's news before it looks again
+CREDITS, ROUNDS, PARAMS = 0, 1, 2  # what a waiter waits for news of
+
+
+class _LoopContext(CallContext):
+    """What a call on an asyncio stream sees of its context: ``abort`` refuses the call."""
+
+    def __init__(self, peer: str) -> None:
+        self._peer = peer
+
+    def is_active(self) -> bool:
+        return True
+
+    def peer(self) -> str:
+        return self._peer
+
+
+class SessionCalls:
+    """The calls of every node session on one event loop (``_loop``, set by the server that
+    runs it), and the news that wakes their waits (any thread)."""
+
+    def __init__(self, servicer: "GlobalServicer") -> None:
+        self.s = servicer
+        self._loop: asyncio.AbstractEventLoop | None = None
+        # digests and leader uploads: rare, and they may wait or hash a vector
+        self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lsgd-session")
+        # futures waiting for news -> their node (-1: none), by CREDITS, ROUNDS, PARAMS
+        self._waiters: tuple[dict, dict, dict] = ({}, {}, {})
+
+    def listen(self) -> None:
+        """Hear the servicer's and the parameter store's news (after the loop runs)."""
+        self.s.on_news = self._news
+        self.s.params.on_change = self._param_news
+
+    def deafen(self) -> None:
+        self.s.on_news = None
+        self.s.params.on_change = None
+
+    # ------------------------------------------------------------------ news
+    def _news(self, closed: bool) -> None:
+        """The servicer's state changed (any thread, its lock held): wake the polls after it."""
+        self._wake((CREDITS, ROUNDS) if closed else (CREDITS,))
+
+    def _param_news(self) -> None:
+        """The parameter store's state changed (any thread, its lock held): a download it
+        held back may be ready."""
+        self._wake((PARAMS,))
+
+    def _wake(self, kinds: tuple[int, ...]) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            loop.call_soon_threadsafe(self._fire, kinds)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    def _fire(self, kinds: tuple[int, ...]) -> None:
+        for kind in kinds:
+            waiters = list(self._waiters[kind].items())
+            self._waiters[kind].clear()
+            if kind == ROUNDS and len(waiters) > 1:
+                # A round closed: the nodes whose uploads the others' downloads wait for (the
+                # leader's) hear first, so that their upload overlaps the other answers.
+                first = self.s.params.uploaders()
+                waiters.sort(key=lambda wn: wn[1] not in first)
+            for w, _ in waiters:
+                if not w.done():
+                    w.set_result(True)
+
+    async def _wait(self, kind: int, timeout: float, node: int = -1) -> bool:
+        """Wait up to ``timeout`` seconds for news of ``kind`` (registered before the news
+        that came during the caller's step is fired: call it right after the step), for
+        ``node``'s call. False when none came."""
+        loop = self._loop
+        w = loop.create_future()
+        waiters = self._waiters[kind]
+        waiters[w] = node
+        timer = loop.call_later(timeout, lambda: w.done() or w.set_result(False))
+        try:
+            return await w
+        finally:
+            timer.cancel()
+            waiters.pop(w, None)
+            if not w.done():
+                w.cancel()
+
+    # ------------------------------------------------------------------ calls
+    async def _reply(self, node: pb.NodeId, req: pb.SessionRequest, peer: str) -> pb.SessionReply:
+        method = method_of(req)
+        ctx = _LoopContext(peer)
+        try:
+            field_, call = parse_call(node, req)
+            try:
+                if field_ == "digest":
+                    answer = await self._digest(call, ctx)
+                elif field_ == "pull":
+                    answer = await self._pull(call, ctx)
+                elif field_ == "push" and call.header.buffer == pb.BUFFER_KIND_NODE_SUM:
+                    answer = self.s.SessionPush(call, ctx)  # a sum never waits: on the loop
+                elif field_ == "push":  # a leader may wait for its digest (PLANE=chain)
+                    answer = await self._loop.run_in_executor(self._pool, self.s.SessionPush,
+                                                              call, ctx)
+                else:
+                    answer = await self._poll(CreditPoll(self.s, call) if field_ == "acquire"
+                                              else RoundBarrier(self.s, call))
+            except (CoordinatorError, ParamError) as exc:
+                raise Refused(getattr(grpc.StatusCode, exc.code), str(exc)) from None
+            self.s.calls.add(method)
+            return pb.SessionReply(n=req.n, **{field_: answer})
+        except Refused as r:
+            self.s.stats.count(method, r.code.name)
+            return pb.SessionReply(n=req.n, code=r.code.value[0], details=r.details)
+
+    async def _poll(self, poll: CreditPoll | RoundBarrier) -> object:
+        timed_out = False
+        while True:
+            with self.s.cond:
+                answer = poll.step(True, timed_out)
+                wait = poll.wait()
+            if answer is not None:
+                return answer
+            timed_out = not await self._wait(ROUNDS if poll.news_only else CREDITS, wait,
+                                             poll.request.node.node_index)
+
+    async def _pull(self, call: pb.PullParamsRequest, ctx: _LoopContext) -> pb.ParamChunk:
+        """A small download: checked, then read whole on the loop as soon as it is ready (the
+        store's news wakes it; ``PULL_TICK`` lets an exchange's deadline pass), holding no
+        thread while it waits; refused when not ready within the round time-out."""
+        buffer, wire = self.s.small_download_check(call, ctx)
+        end = self._loop.time() + self.s.round_timeout
+        while True:
+            data = self.s.small_download(call, buffer, wire, 0.0)
+            if data is not None:
+                return pb.ParamChunk(offset=0, data=data)
+            left = end - self._loop.time()
+            if left <= 0:
+                raise ParamError("DEADLINE_EXCEEDED", f"{buffer} of round {call.round_id} not "
+                                 f"ready within {self.s.round_timeout:g} s")
+            await self._wait(PARAMS, min(left, PULL_TICK))
+
+    async def _digest(self, call: pb.DigestRequest, ctx: _LoopContext) -> pb.DigestResponse:
+        """A ``Digest`` call: its checks on the loop; its answer looked at every
+        ``DIGEST_POLL`` s until there is one or the server's wait is over, so a wait holds no
+        thread (a leader's digest is a look-up, on the loop; a center's may hash the center
+        once per round, in the pool)."""
+        self.s.digest_check(call, ctx)
+        end = self._loop.time() + self.s.digest_wait
+        while True:
+            if call.center:
+                answer = await self._loop.run_in_executor(self._pool, self.s.digest_answer, call,
+                                                          0.0)
+            else:
+                answer = self.s.digest_answer(call, 0.0)
+            if answer.sha256 or self._loop.time() >= end:
+                return answer
+            await asyncio.sleep(min(DIGEST_POLL, max(0.0, end - self._loop.time())))
