@@ -178,7 +178,9 @@ def _raw_socket(addr: str, security: Security, opening: pb.SessionRequest, mac: 
     sock = socket.create_connection((host, int(port)), timeout=10)
     hello = b""
     while len(hello) < session_wire.HELLO_SIZE:
-        hello += sock.recv(session_wire.HELLO_SIZE - len(hello))
+        part = sock.recv(session_wire.HELLO_SIZE - len(hello))
+        assert part, "the server closed the connection before its hello"
+        hello += part
     body = opening.SerializeToString()
     key = derive_key(security.secret) if security.secret else None
     if mac is None:

@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 START_WAIT = 10.0  # seconds the server may take to start listening
 QUEUED = 4  # messages a stream may have waiting (a node sends one call at a time)
 UNREAD = 4 * sw.MAX_FRAME  # bytes of replies a stream may leave unread
+LINGER = 1.0  # seconds an ended stream's last words may take to go out
 
 
 class _End(Exception):
@@ -103,6 +104,12 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.over = True
+        self._stop_frames()
+
+    def _stop_frames(self) -> None:
+        """No frame still queued is answered: the stream is over."""
+        while not self.frames.empty():
+            self.frames.get_nowait()
         self.frames.put_nowait(None)
 
     def send(self, reply: pb.SessionReply) -> None:
@@ -110,15 +117,20 @@ class _Conn(asyncio.Protocol):
             self.transport.write(sw.frame(reply.SerializeToString()))
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
-        """End the stream: its status (counted as a failed ``Session`` call), then close."""
+        """End the stream: its status (counted as a failed ``Session`` call), then close (a
+        peer that does not read it is cut off after ``LINGER`` seconds); its handler stops."""
         if self.over:
             return
         self.server.s.stats.count("Session", code.name)
         self.send(pb.SessionReply(n=0, code=code.value[0], details=details))
         self.over = True
-        if self.transport is not None:
-            self.transport.close()
-        self.frames.put_nowait(None)
+        transport = self.transport
+        if transport is not None:
+            transport.close()  # after what is written; abort() if that never goes out
+            asyncio.get_running_loop().call_later(LINGER, transport.abort)
+        self._stop_frames()
+        if self.task is not None and self.task is not asyncio.current_task():
+            self.task.cancel()
 
 
 class SessionServer(SessionCalls):
@@ -136,6 +148,7 @@ class SessionServer(SessionCalls):
         self._stopped: asyncio.Event | None = None
         self._open: set[_Conn] = set()
         self._pending: Counter[str] = Counter()  # host -> streams whose opening is unchecked
+        self._unchecked: dict[_Conn, None] = {}  # those streams, oldest first
         self._by_node: dict[int, _Conn] = {}
 
     # ------------------------------------------------------------------ life
@@ -209,17 +222,16 @@ class SessionServer(SessionCalls):
         greeting, nonce = sw.hello()
         conn.transport.write(greeting)
         lim = self.limits
-        if len(self._open) >= lim.sessions + lim.pending_per_host:
-            self.s.calls.add("Session")
-            self._count("refused", "sessions")
-            return conn.end(grpc.StatusCode.RESOURCE_EXHAUSTED, self._full())
+        # Connections without an opening yet: at most pending_per_host per host and sessions
+        # in all. A new one takes the place of the oldest (a node sends its opening one round
+        # trip after the hello: only a connection that sends nothing grows old), so that
+        # strangers holding connections open cannot keep a node from opening its stream.
         if self._pending[conn.host] >= lim.pending_per_host:
-            self.s.calls.add("Session")
-            self._count("refused", "host")
-            return conn.end(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{conn.host} already has "
-                            f"{lim.pending_per_host} streams open that have not named a node "
-                            "session")
+            self._evict(next(c for c in self._unchecked if c.host == conn.host), "host")
+        if len(self._unchecked) >= lim.sessions:
+            self._evict(next(iter(self._unchecked)), "sessions")
         self._open.add(conn)
+        self._unchecked[conn] = None
         self._pending[conn.host] += 1
         conn.task = self._loop.create_task(self._serve(conn, nonce))
 
@@ -232,7 +244,7 @@ class SessionServer(SessionCalls):
                 self._count("cancelled", "header")
                 raise _End(grpc.StatusCode.CANCELLED, "no opening message within "
                            f"{self.limits.header_wait:g} s") from None
-            if raw is None:  # closed before its opening (a node's look at the port, at join)
+            if raw is None or conn.over:  # closed before its opening (a node's look at join)
                 return
             self.s.calls.add("Session")  # every stream, as the gRPC server counts calls
             first = self._opening(nonce, raw)
@@ -241,7 +253,7 @@ class SessionServer(SessionCalls):
             expected = 1
             while True:
                 raw = await conn.frames.get()
-                if raw is None:
+                if raw is None or conn.over:
                     return
                 try:
                     req = pb.SessionRequest.FromString(raw)
@@ -256,12 +268,22 @@ class SessionServer(SessionCalls):
                     raise _End(grpc.StatusCode.INVALID_ARGUMENT,
                                f"session message {req.n} out of order (expected {expected})")
                 expected += 1
-                conn.send(await self._reply(node, req, conn.peer))
+                reply = await self._reply(node, req, conn.peer)
+                if conn.over:
+                    return
+                conn.send(reply)
                 if conn.transport.get_write_buffer_size() > UNREAD:
+                    conn.transport.abort()  # its replies would stay in memory
                     raise _End(grpc.StatusCode.RESOURCE_EXHAUSTED, "the node does not read its "
                                "replies: wait for each reply before the next call")
         except _End as e:
             conn.end(e.code, e.details)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # noqa: BLE001 - a fault of ours: the node hears of it, we log it
+            log.exception("a session stream failed")
+            conn.end(grpc.StatusCode.INTERNAL, "the global server failed on this stream (see "
+                     "its log)")
         finally:
             self._close(conn)
             if conn.transport is not None:
@@ -270,7 +292,10 @@ class SessionServer(SessionCalls):
     def _opening(self, nonce: bytes, raw: bytes) -> pb.SessionRequest:
         """Frame 0: its MAC on this connection, then the checks of ``session.serve``."""
         mac, opening = raw[:sw.MAC_SIZE], raw[sw.MAC_SIZE:]
-        if len(raw) < sw.MAC_SIZE or not sw.opening_ok(self.key, nonce, mac, opening):
+        if len(raw) < sw.MAC_SIZE:
+            raise _End(grpc.StatusCode.INVALID_ARGUMENT, "a session's opening starts with its "
+                       f"{sw.MAC_SIZE}-byte MAC")
+        if not sw.opening_ok(self.key, nonce, mac, opening):
             raise _End(grpc.StatusCode.UNAUTHENTICATED, "the session's opening has no valid "
                        "MAC: wrong job secret, or not an lsgd node")
         try:
@@ -289,6 +314,11 @@ class SessionServer(SessionCalls):
         return first
 
     # ------------------------------------------------------------------ admission
+    def _evict(self, old: _Conn, kind: str) -> None:
+        self._count("cancelled", f"crowded-{kind}")
+        self._end(old, grpc.StatusCode.CANCELLED, "no opening while newer streams came (too "
+                  "many streams without an opening)")
+
     def _full(self) -> str:
         return (f"the global server already has {self.limits.sessions} session streams open "
                 "(one per node); try again later")
@@ -318,6 +348,7 @@ class SessionServer(SessionCalls):
         self._close(conn)
 
     def _unpend(self, conn: _Conn) -> None:
+        self._unchecked.pop(conn, None)
         if conn.node is None and conn.host in self._pending:
             self._pending[conn.host] -= 1
             if not self._pending[conn.host]:

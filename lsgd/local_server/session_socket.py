@@ -13,9 +13,9 @@ call in progress.
 from __future__ import annotations
 
 import os
-import select
 import socket
 import threading
+import time
 
 import grpc
 
@@ -60,6 +60,7 @@ class SocketSession:
         self.answered = False  # the server answered on it (its hello, a reply, a status)
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()  # close() from another thread
+        self._timeout = 0.0  # the call in progress's
 
     # ------------------------------------------------------------------ connection
     def _open(self, wait: float) -> socket.socket:
@@ -75,13 +76,18 @@ class SocketSession:
             self._sock = sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            server_nonce = sw.read_hello(self._read(sw.HELLO_SIZE, wait))
+            server_nonce = sw.read_hello(self._read(sw.HELLO_SIZE, time.monotonic() + wait))
         except ValueError as exc:
             raise CallError(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        except CallError as exc:  # nothing was sent: the call may go elsewhere
+            raise CallError(grpc.StatusCode.UNAVAILABLE, f"no hello from the session port "
+                            f"within {wait:g} s" if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                            else exc.details()) from None
         self.answered = True
         opening = pb.SessionRequest(n=0, node=self.node, nonce=self.nonce).SerializeToString()
         try:
-            self._send(sw.opening_mac(self._key, server_nonce, opening) + opening)
+            self._send(sw.opening_mac(self._key, server_nonce, opening) + opening,
+                       time.monotonic() + wait)
         except CallError:
             pass  # the server ended the stream at once: the reply's read says why
         return sock
@@ -92,23 +98,35 @@ class SocketSession:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the session stream is closed")
         return sock
 
-    def _send(self, payload: bytes) -> None:
+    def _left(self, deadline: float) -> float:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"no answer on the session stream within {self._timeout:g} s")
+        return left
+
+    def _send(self, payload: bytes, deadline: float) -> None:
         sock = self._live()
         try:
+            sock.settimeout(self._left(deadline))
             sock.sendall(sw.frame(payload))
+        except socket.timeout:
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the session stream took no "
+                            f"message within {self._timeout:g} s") from None
         except OSError as exc:
             raise CallError(grpc.StatusCode.UNAVAILABLE,
                             f"the session stream broke: {exc}") from None
 
-    def _read(self, size: int, timeout: float) -> bytes:
+    def _read(self, size: int, deadline: float) -> bytes:
+        """``size`` bytes, all of them by ``deadline`` (monotonic: the call's, not a read's)."""
         sock, out = self._live(), bytearray()
         while len(out) < size:
             try:
-                sock.settimeout(timeout)
+                sock.settimeout(self._left(deadline))
                 part = sock.recv(size - len(out))
             except socket.timeout:
                 raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the session "
-                                f"stream within {timeout:g} s") from None
+                                f"stream within {self._timeout:g} s") from None
             except OSError as exc:
                 raise CallError(grpc.StatusCode.UNAVAILABLE,
                                 f"the session stream broke: {exc}") from None
@@ -124,21 +142,26 @@ class SocketSession:
         the serialized request) and return its answer; ``grpc.RpcError`` when it fails."""
         if self.broken:
             raise CallError(grpc.StatusCode.UNAVAILABLE, "the session stream is closed")
+        self._timeout = timeout
         try:
             if self._sock is None:
                 self._open(min(CONNECT, timeout))
+            deadline = time.monotonic() + timeout
             self.n += 1
             msg = pb.SessionRequest(n=self.n, **{field: body})
             if self._key is not None:
                 msg.mac = session_mac(self._key, self.nonce, self.n, FIELDS[field], body)
             try:
-                self._send(msg.SerializeToString())
-            except CallError:
-                timeout = min(timeout, ENDED)  # the server may have ended the stream: its word
-            size = int.from_bytes(self._read(sw.LENGTH, timeout), "big")
+                self._send(msg.SerializeToString(), deadline)
+            except CallError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                # the server may have ended the stream: its last word says why
+                deadline = min(deadline, time.monotonic() + ENDED)
+            size = int.from_bytes(self._read(sw.LENGTH, deadline), "big")
             if size > sw.MAX_FRAME:
                 raise CallError(grpc.StatusCode.INTERNAL, f"a session reply of {size} bytes")
-            reply = pb.SessionReply.FromString(self._read(size, timeout))
+            reply = pb.SessionReply.FromString(self._read(size, deadline))
         except CallError:
             self.close()
             raise
@@ -164,12 +187,14 @@ class SocketSession:
         sock = self._sock
         if sock is None:
             return False
-        try:
-            if select.select([sock], [], [], 0)[0]:  # idle, so anything there is its end
-                return True
-        except (OSError, ValueError):
+        try:  # idle, so anything there (or its close) is its end
+            sock.setblocking(False)  # (a time-out would wait for data first)
+            sock.recv(1, socket.MSG_PEEK)
+        except BlockingIOError:
+            return False
+        except OSError:
             return True
-        return False
+        return True
 
     def close(self) -> None:
         """End the stream (idempotent; from any thread)."""

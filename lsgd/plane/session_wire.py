@@ -38,7 +38,7 @@ HELLO_SIZE = len(MAGIC) + 1 + 16
 NONCE = 16
 MAC_SIZE = 32
 LABEL = b"lsgd-session-socket-v1"
-MAX_OPENING = 64 * 1024  # bytes: an opening carries a node id and a nonce
+MAX_OPENING = 4096  # bytes: an opening carries a node id and a nonce (about 60)
 MAX_FRAME = SMALL_VECTOR + 64 * 1024  # bytes: a call, or a small vector whole beside it
 LENGTH = 4
 
