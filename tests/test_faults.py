@@ -55,8 +55,11 @@ def test_a_diverged_worker_never_leads_and_is_reset(cluster, tmp_path, algorithm
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("algorithm", ["lsgd", "easgd", "average"])
 def test_a_killed_worker_is_respawned_from_the_leader_or_center(cluster, tmp_path, algorithm):
+    # Steps of 1 ms: the job lasts a few seconds, so the new process (which takes a moment to
+    # start) trains on beside worker 0; at full speed worker 0 could take most of the budget
+    # while it starts, and the counts below became a race.
     node = cluster(0, PORT=0, ITERATIONS=6000, ALGORITHM=algorithm, TOYJOB_DIE="1:300",
-                   TOYJOB_COUNT_DIR=tmp_path, **TOY)
+                   TOYJOB_COUNT_DIR=tmp_path, TOYJOB_STEP_SECONDS="0.001", **TOY)
     assert node.wait(90) == 0, node.output
     s = node.summary()
     died = float((tmp_path / "1.died").read_text())
