@@ -279,8 +279,9 @@ class ParamStore(DeltaMixin, SavedParams):
     # ------------------------------------------------------------------ uploads
     def push(self, node: int, round_id: int, buffer: str, param_count: int, summands: int,
              chunks: Iterable[tuple[int, bytes]], wire: str = "float32",
-             weight: float = 0.0) -> None:
-        """Receive an upload of ``buffer`` from ``node``; ``chunks`` yields (offset, raw bytes).
+             weight: float = 0.0, finite: bool = False) -> None:
+        """Receive an upload of ``buffer`` from ``node``; ``chunks`` yields (offset, raw bytes)
+        (``finite``: their values were checked already).
 
         ``wire`` is the chunks' encoding (``lsgd.wire.WIRE_FORMATS``); offsets count elements.
         """
@@ -336,7 +337,8 @@ class ParamStore(DeltaMixin, SavedParams):
                     self.leader_complete = False
         target = self.buffers[SUM if buffer == SUM else (CENTER if buffer == CENTER else LEADER)]
         try:
-            self._receive(target, chunks, add=(buffer == SUM), exchange=ex, dtype=dtype)
+            self._receive(target, chunks, add=(buffer == SUM), exchange=ex, dtype=dtype,
+                          finite=finite)
             if buffer == LEADER and ex is not None:  # PLANE=chain: the source's leader only
                 self.digests.check(round_id, target, required=ex.leader_route)
         except Exception as exc:
@@ -373,7 +375,8 @@ class ParamStore(DeltaMixin, SavedParams):
             self._changed(news=ex is None or buffer != SUM or ex.settled)
 
     def _receive(self, target: np.ndarray, chunks: Iterable[tuple[int, bytes]], add: bool,
-                 exchange: Exchange | None, dtype: np.dtype = np.dtype("<f4")) -> None:
+                 exchange: Exchange | None, dtype: np.dtype = np.dtype("<f4"),
+                 finite: bool = False) -> None:
         steady_heap()
         size = dtype.itemsize
         stage: np.ndarray | None = None  # float32 staging of a converted chunk (page aligned)
@@ -388,7 +391,8 @@ class ParamStore(DeltaMixin, SavedParams):
                                  f"{pos} of {target.size} elements")
             n = len(data) // size
             src = np.frombuffer(data, dtype=dtype)
-            if not np.isfinite(src).all():  # a diverged or hostile node must not poison the job
+            # a diverged or hostile node must not poison the job
+            if not finite and not np.isfinite(src).all():
                 raise ParamError("INVALID_ARGUMENT", f"upload has non-finite values at element "
                                  f"{pos + int(np.argmin(np.isfinite(src)))}")
             if not add:

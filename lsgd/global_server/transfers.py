@@ -125,9 +125,10 @@ class TransferRPCs:
         return WIRES.get(code)
 
     def take_upload(self, h: pb.PushHeader, chunks: Iterator[tuple[int, bytes]],
-                    context: grpc.ServicerContext) -> None:
+                    context: grpc.ServicerContext, finite: bool = False) -> None:
         """An upload of ``h.buffer`` whose chunks (offset, raw bytes) come from ``chunks``:
-        checked, then taken into the store (``PushParams``, or the bulk port's)."""
+        checked, then taken into the store (``PushParams``, the bulk port's, or a whole one on
+        a session stream, whose values are ``finite``, checked before)."""
         buffer = BUFFERS.get(h.buffer)
         if buffer is None or buffer == AVERAGE:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"cannot upload buffer {h.buffer}")
@@ -148,7 +149,7 @@ class TransferRPCs:
                                        h.param_count, chunks, _wire_dtype(wire))
             else:
                 self.params.push(h.node.node_index, h.round_id, buffer, h.param_count,
-                                 h.summands, chunks, wire=wire, weight=h.weight)
+                                 h.summands, chunks, wire=wire, weight=h.weight, finite=finite)
         except ParamError as exc:
             _abort(context, exc)
 
@@ -263,6 +264,7 @@ class TransferRPCs:
                           "or on the bulk port")
         wire = WIRES.get(h.wire_format)
         count = self.params.param_count
+        finite = False
         if wire is not None and count is not None:  # (else take_upload refuses it)
             # The whole vector is here: a wrong size or a non-finite value is refused before
             # the upload is taken, so that it changes nothing (on a stream it fails the round).
@@ -276,8 +278,9 @@ class TransferRPCs:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"upload has non-finite values at element "
                               f"{int(np.argmin(np.isfinite(values)))}")
+            finite = True  # (the store need not look again)
         try:
-            self.take_upload(h, iter(((0, request.data),)), context)
+            self.take_upload(h, iter(((0, request.data),)), context, finite=finite)
         finally:
             self.stats.moved(received=len(request.data))
         return pb.PushParamsResponse()

@@ -353,16 +353,11 @@ class GlobalClient:
         (``transfer_client.py``).
         """
         t = self.transfers
-        if buffer in SESSION_UPLOADS and t.small(vec, wire) and self._call_lock.acquire(blocking=False):
-            try:
-                header = pb.PushHeader(node=self._node(), round_id=round_id,
-                                       buffer=BUFFER_KINDS[buffer], param_count=vec.size,
-                                       summands=summands, wire_format=WIRE_FORMATS[wire],
-                                       weight=weight)
-                self._on_stream("push", pb.SessionUpload(header=header, data=t.encode(vec, wire)),
-                                self.round_timeout + RPC_TIMEOUT)
-            finally:
-                self._call_lock.release()
+        if buffer in SESSION_UPLOADS and t.small(vec, wire) and self._whole("push", lambda: (
+                pb.SessionUpload(header=pb.PushHeader(
+                    node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer],
+                    param_count=vec.size, summands=summands, wire_format=WIRE_FORMATS[wire],
+                    weight=weight), data=t.encode(vec, wire)))) is not None:
             t.moved["session"] += 1
             return
         t.push(self._node(), buffer, vec, round_id, summands, wire, weight)
@@ -377,18 +372,25 @@ class GlobalClient:
         for a seed) or a large one on the bulk port or a gRPC stream (``transfer_client.py``).
         """
         t = self.transfers
-        if (round_id and buffer != "mail" and t.small(out, wire)
-                and self._call_lock.acquire(blocking=False)):
-            try:
-                request = pb.PullParamsRequest(node=self._node(), round_id=round_id,
-                                               buffer=BUFFER_KINDS[buffer],
-                                               wire_format=WIRE_FORMATS[wire])
-                chunk = self._on_stream("pull", request, self.round_timeout + RPC_TIMEOUT)
-            finally:
-                self._call_lock.release()
+        chunk = None
+        if round_id and buffer != "mail" and t.small(out, wire):
+            chunk = self._whole("pull", lambda: pb.PullParamsRequest(
+                node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer],
+                wire_format=WIRE_FORMATS[wire]))
+        if chunk is not None:
             t.fill(out, chunk.data, wire)
             return
         t.pull(self._node(), buffer, out, round_id, wire)
+
+    def _whole(self, field: str, request: Callable[[], object]):  # noqa: ANN202
+        """A small vector's ``field`` call on the session stream, whole; None (nothing sent)
+        when another call holds the stream: the caller takes its own stream then."""
+        if not self._call_lock.acquire(blocking=False):
+            return None
+        try:
+            return self._on_stream(field, request(), self.round_timeout + RPC_TIMEOUT)
+        finally:
+            self._call_lock.release()
 
     def push_mail(self, vec: np.ndarray, number: int, weight: float) -> None:
         """Send a gossip rule's mail ``number`` (``vec`` = sum of weight * x) to a random

@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import grpc
 
@@ -105,31 +106,31 @@ class SocketSession:
                             f"no answer on the session stream within {self._timeout:g} s")
         return left
 
-    def _send(self, payload: bytes, deadline: float) -> None:
-        sock = self._live()
+    @contextmanager
+    def _io(self):  # noqa: ANN202
+        """A socket's failures as the call's: its time-out, or a broken stream."""
         try:
-            sock.settimeout(self._left(deadline))
-            sock.sendall(sw.frame(payload))
+            yield
         except socket.timeout:
-            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"the session stream took no "
-                            f"message within {self._timeout:g} s") from None
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the session "
+                            f"stream within {self._timeout:g} s") from None
         except OSError as exc:
             raise CallError(grpc.StatusCode.UNAVAILABLE,
                             f"the session stream broke: {exc}") from None
+
+    def _send(self, payload: bytes, deadline: float) -> None:
+        sock = self._live()
+        with self._io():
+            sock.settimeout(self._left(deadline))
+            sock.sendall(sw.frame(payload))
 
     def _read(self, size: int, deadline: float) -> bytes:
         """``size`` bytes, all of them by ``deadline`` (monotonic: the call's, not a read's)."""
         sock, out = self._live(), bytearray()
         while len(out) < size:
-            try:
+            with self._io():
                 sock.settimeout(self._left(deadline))
                 part = sock.recv(size - len(out))
-            except socket.timeout:
-                raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer on the session "
-                                f"stream within {self._timeout:g} s") from None
-            except OSError as exc:
-                raise CallError(grpc.StatusCode.UNAVAILABLE,
-                                f"the session stream broke: {exc}") from None
             if not part:
                 raise CallError(grpc.StatusCode.UNAVAILABLE,
                                 "the global server closed the session stream")
