@@ -536,3 +536,31 @@ def test_connections_that_send_no_opening_cannot_keep_a_node_from_its_stream():
         for sock in held:
             sock.close()
         srv.stop(0.5).wait(5)
+
+
+def test_a_node_gone_while_its_stream_waits_in_a_barrier_gives_its_place_back_at_once():
+    servicer, srv, addr = _server(round_timeout=20.0)
+    try:
+        a, b = _joined(addr, 0), _joined(addr, 1)
+        consumed, seen = 0, 0
+        while True:  # node 0 takes its credits up to the global round
+            g = a.acquire(consumed=consumed, late=0, released=0, want=64, last_round_seen=seen,
+                          max_wait=0.5)
+            consumed, seen = g.grant, max(seen, g.round_id)
+            if g.round_kind == int(RoundKind.GLOBAL) and g.round_id:
+                break
+        waiting = threading.Thread(target=lambda: pytest.raises(
+            grpc.RpcError, a.report_round, g.round_id, None, 2))
+        waiting.start()  # its barrier waits for node 1, which does not report
+        time.sleep(0.3)
+        assert srv.sessions.open_sessions == 1
+        a._stream.close()  # its connection goes (a node killed mid-round)
+        waiting.join(5)
+        assert not waiting.is_alive()
+        deadline = time.monotonic() + 2
+        while srv.sessions.open_sessions and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert srv.sessions.open_sessions == 0  # not at the round's 20 s deadline
+        a.close(), b.close()
+    finally:
+        srv.stop(0.5).wait(5)

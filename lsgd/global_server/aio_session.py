@@ -103,8 +103,12 @@ class _Conn(asyncio.Protocol):
                                 "time: wait for each reply")
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """The node went away: its handler stops too (it may wait in a barrier, holding the
+        node's place until its round closes)."""
         self.over = True
         self._stop_frames()
+        if self.task is not None:
+            self.task.cancel()
 
     def _stop_frames(self) -> None:
         """No frame still queued is answered: the stream is over."""
@@ -339,12 +343,8 @@ class SessionServer(SessionCalls):
             self._end(old, grpc.StatusCode.CANCELLED, "replaced by a newer stream of its node")
 
     def _end(self, conn: _Conn, code: grpc.StatusCode, details: str) -> None:
-        """End ``conn`` from another task: its status, then its handler (which may be waiting
-        in a barrier: ending the connection alone would leave it running until its round
-        closed)."""
+        """End ``conn`` from another task: its status, and its handler (``_Conn.end``)."""
         conn.end(code, details)
-        if conn.task is not None and conn.task is not asyncio.current_task():
-            conn.task.cancel()
         self._close(conn)
 
     def _unpend(self, conn: _Conn) -> None:
