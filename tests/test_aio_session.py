@@ -425,21 +425,28 @@ def test_refused_streams_are_counted_and_an_unsigned_opening_is_refused_at_once(
         srv.stop(0.5).wait(5)
 
 
+def _waiting_in_a_barrier(addr: str):
+    """Nodes 0 and 1 joined; node 0's report waits in its global round's barrier (node 1 does
+    not report), in a thread that expects the call to fail: (a, b, that thread, round seen)."""
+    a, b = _joined(addr, 0), _joined(addr, 1)
+    consumed, seen = 0, 0
+    while True:  # node 0 takes its credits up to the global round
+        g = a.acquire(consumed=consumed, late=0, released=0, want=64, last_round_seen=seen,
+                      max_wait=0.5)
+        consumed, seen = g.grant, max(seen, g.round_id)
+        if g.round_kind == int(RoundKind.GLOBAL) and g.round_id:
+            break
+    waiting = threading.Thread(target=lambda: pytest.raises(
+        grpc.RpcError, a.report_round, g.round_id, None, 2))
+    waiting.start()
+    time.sleep(0.3)
+    return a, b, waiting, seen
+
+
 def test_a_replaced_stream_waiting_in_a_barrier_gives_its_place_back_at_once():
     servicer, srv, addr = _server(round_timeout=20.0)
     try:
-        a, b = _joined(addr, 0), _joined(addr, 1)
-        consumed, seen = 0, 0
-        while True:  # node 0 takes its credits up to the global round
-            g = a.acquire(consumed=consumed, late=0, released=0, want=64, last_round_seen=seen,
-                          max_wait=0.5)
-            consumed, seen = g.grant, max(seen, g.round_id)
-            if g.round_kind == int(RoundKind.GLOBAL) and g.round_id:
-                break
-        waiting = threading.Thread(target=lambda: pytest.raises(
-            grpc.RpcError, a.report_round, g.round_id, None, 2))
-        waiting.start()  # its barrier waits for node 1, which does not report
-        time.sleep(0.3)
+        a, b, waiting, seen = _waiting_in_a_barrier(addr)
         assert srv.sessions.open_sessions == 1
         a2 = GlobalClient(addr, "job", 0, round_timeout=5.0)  # the node's newer stream
         a2.session, a2._seq = a.session, a.last_seq
@@ -541,18 +548,7 @@ def test_connections_that_send_no_opening_cannot_keep_a_node_from_its_stream():
 def test_a_node_gone_while_its_stream_waits_in_a_barrier_gives_its_place_back_at_once():
     servicer, srv, addr = _server(round_timeout=20.0)
     try:
-        a, b = _joined(addr, 0), _joined(addr, 1)
-        consumed, seen = 0, 0
-        while True:  # node 0 takes its credits up to the global round
-            g = a.acquire(consumed=consumed, late=0, released=0, want=64, last_round_seen=seen,
-                          max_wait=0.5)
-            consumed, seen = g.grant, max(seen, g.round_id)
-            if g.round_kind == int(RoundKind.GLOBAL) and g.round_id:
-                break
-        waiting = threading.Thread(target=lambda: pytest.raises(
-            grpc.RpcError, a.report_round, g.round_id, None, 2))
-        waiting.start()  # its barrier waits for node 1, which does not report
-        time.sleep(0.3)
+        a, b, waiting, seen = _waiting_in_a_barrier(addr)
         assert srv.sessions.open_sessions == 1
         a._stream.close()  # its connection goes (a node killed mid-round)
         waiting.join(5)
