@@ -258,7 +258,7 @@ class Node:
         for t in threads:
             t.join(timeout)
         out = answers.get(0)
-        if out is None or out.missed or out.leader_node != 0 or len(out.nodes) != len(self.clients):
+        if out is None or out.missed or out.leader_node != 0 or out.node_count != len(self.clients):
             raise RuntimeError(f"round {rid}: this node does not lead a multi-node round ({out})")
 
 

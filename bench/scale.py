@@ -220,12 +220,13 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
                     live["evaluations"].append((rid, ans.round_iteration))
                 best = Candidate(index * sc.workers + rng.randrange(sc.workers), rng.random())
                 if kind == RoundKind.LOCAL:  # as the local server does: its own round, no call
-                    r = RoundAnswer(False, best, index, sc.workers, (index,))
+                    r = RoundAnswer(False, best, index, sc.workers, 1)
                 else:
-                    r = client.report_round(rid, best, sc.workers)
+                    r = client.report_round(rid, best, sc.workers, then_pull=(  # as the node
+                        "global_leader" if kind == RoundKind.GLOBAL else None))
                 t_report = time.monotonic()
                 role = ""
-                if not r.missed and kind == RoundKind.GLOBAL and r.leader and len(r.nodes) > 1:
+                if not r.missed and kind == RoundKind.GLOBAL and r.leader and r.node_count > 1:
                     # As the local server does: the leader's node uploads (a lone node keeps
                     # its leader at home), every other node downloads it.
                     if r.leader_node == index:

@@ -62,8 +62,8 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
 
     async def session_call(field: str, req: Any, timeout: float) -> Any:
         state["n"] += 1
-        await stream.write(pb.SessionRequest(n=state["n"], **{field: req.SerializeToString()}))
-        reply = await asyncio.wait_for(stream.read(), timeout)
+        reply = await stream.call(pb.SessionRequest(n=state["n"], **{field: req.SerializeToString()}),
+                                  timeout)
         if reply is grpc.aio.EOF or reply is None:
             raise _Refused(14, "the server closed the session stream")
         if reply.code:
@@ -135,8 +135,8 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
             stream = await _SocketStream.open(address.rsplit(":", 1)[0], resp.session_port,
                                               opening)
         else:  # the gRPC server's Session method on PORT
-            stream = pb_grpc.GlobalServerStub(channels[0]).Session()
-            await stream.write(opening)
+            stream = _GrpcStream(pb_grpc.GlobalServerStub(channels[0]).Session())
+            await stream.grpc.write(opening)
         beat_task = asyncio.create_task(beat())
         held, last_round_seen, took = 0, 0, time.monotonic()
         while not stop.is_set():
@@ -158,14 +158,24 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
                                                 has_best=True)
                     req.best.worker_id = index * sc.workers + rng.randrange(sc.workers)
                     req.best.loss = rng.random()
-                    r = await session_call("report", req, sc.round_timeout + RPC_TIMEOUT)
+                    if kind == RoundKind.GLOBAL and 4 * sc.param_count < SMALL_VECTOR:
+                        req.then_pull = pb.BUFFER_KIND_GLOBAL_LEADER  # as the node: the answer
+                        req.then_pull_wire = pb.WIRE_FORMAT_UNSPECIFIED  # carries the leader
+                    r = await session_call("report", req, 2 * sc.round_timeout + RPC_TIMEOUT)
                     missed, participants = r.missed, r.participants
                 t_report = time.monotonic()
                 if kind != RoundKind.LOCAL and not missed:
-                    if kind == RoundKind.GLOBAL and r.has_leader and len(r.nodes) > 1:
+                    if kind == RoundKind.GLOBAL and r.has_leader and r.node_count > 1:
                         if r.leader_node == index:
                             await push(pb.BUFFER_KIND_GLOBAL_LEADER, rid)
                             role = "leader"
+                        elif r.HasField("download") or r.download_code:
+                            if r.download_code:
+                                raise _Refused(r.download_code, r.download_details)
+                            if len(r.download.data) != 4 * sc.param_count:
+                                raise RuntimeError(f"the leader came with {len(r.download.data)} "
+                                                   "bytes")
+                            role = "pull"
                         else:
                             await pull(pb.BUFFER_KIND_GLOBAL_LEADER, rid)
                             role = "pull"
@@ -208,38 +218,92 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
             await ch.close()
 
 
-class _SocketStream:
-    """A node's session stream on the session port, with the gRPC stream's ``write``, ``read``
-    (None at its end) and ``cancel`` (no job secret here: the opening's MAC is zeros)."""
+class _SocketStream(asyncio.Protocol):
+    """A node's session stream on the session port (an asyncio ``Protocol``: a reply resolves
+    the waiting call's future, its deadline a timer, so a call costs no task of its own), with
+    ``call`` (the reply, or None at the stream's end) and ``cancel`` (no job secret here: the
+    opening's MAC is zeros)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.transport: Any = None
+        self.waiting: asyncio.Future | None = None
+        self.hello: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.ended = False
 
     @classmethod
     async def open(cls, host: str, port: int, opening: Any) -> "_SocketStream":
         from lsgd.plane import session_wire as sw
 
-        reader, writer = await asyncio.open_connection(host, port)
-        sw.read_hello(await reader.readexactly(sw.HELLO_SIZE))
-        writer.write(sw.frame(bytes(sw.MAC_SIZE) + opening.SerializeToString()))
-        return cls(reader, writer)
+        loop = asyncio.get_running_loop()
+        _, self = await loop.create_connection(cls, host, port)
+        sw.read_hello(await asyncio.wait_for(self.hello, RPC_TIMEOUT))
+        self.transport.write(sw.frame(bytes(sw.MAC_SIZE) + opening.SerializeToString()))
+        return self
 
-    async def write(self, msg: Any) -> None:
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
         from lsgd.plane import session_wire as sw
-
-        self.writer.write(sw.frame(msg.SerializeToString()))
-
-    async def read(self) -> Any:
         from lsgd.proto import lsgd_pb2 as pb
 
-        try:
-            size = int.from_bytes(await self.reader.readexactly(4), "big")
-            return pb.SessionReply.FromString(await self.reader.readexactly(size))
-        except (asyncio.IncompleteReadError, ConnectionError):
+        self.buf += data
+        if not self.hello.done():
+            if len(self.buf) < sw.HELLO_SIZE:
+                return
+            self.hello.set_result(bytes(self.buf[:sw.HELLO_SIZE]))
+            del self.buf[:sw.HELLO_SIZE]
+        while len(self.buf) >= 4:
+            size = int.from_bytes(self.buf[:4], "big")
+            if len(self.buf) < 4 + size:
+                return
+            reply = pb.SessionReply.FromString(bytes(self.buf[4:4 + size]))
+            del self.buf[:4 + size]
+            if self.waiting is not None and not self.waiting.done():
+                self.waiting.set_result(reply)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
+        if not self.hello.done():
+            self.hello.set_exception(ConnectionError("the session port closed"))
+        if self.waiting is not None and not self.waiting.done():
+            self.waiting.set_result(None)
+
+    async def call(self, msg: Any, timeout: float) -> Any:
+        from lsgd.plane import session_wire as sw
+
+        if self.ended:
             return None
+        loop = asyncio.get_running_loop()
+        self.waiting = fut = loop.create_future()
+        self.transport.write(sw.frame(msg.SerializeToString()))
+        timer = loop.call_later(timeout, lambda: fut.done() or fut.set_exception(
+            asyncio.TimeoutError()))
+        try:
+            return await fut
+        finally:
+            timer.cancel()
 
     def cancel(self) -> None:
-        self.writer.close()
+        self.transport.close()
+
+
+class _GrpcStream:
+    """The gRPC server's ``Session`` stream on ``PORT``, with the socket stream's ``call``."""
+
+    def __init__(self, grpc_stream: Any) -> None:
+        self.grpc = grpc_stream
+
+    async def call(self, msg: Any, timeout: float) -> Any:
+        import grpc
+
+        await self.grpc.write(msg)
+        reply = await asyncio.wait_for(self.grpc.read(), timeout)
+        return None if reply is grpc.aio.EOF else reply
+
+    def cancel(self) -> None:
+        self.grpc.cancel()
 
 
 def client_main(spec: dict[str, Any], sc: Any) -> int:

@@ -159,7 +159,7 @@ def test_easgd_exchange_over_grpc_moves_the_center(server):
     # mean of 4 participants = [2, 2, 2]; beta = alpha * 4 = 0.4; center 0 -> 0.8
     np.testing.assert_allclose(results["c0"], [0.8, 0.8, 0.8], rtol=1e-6)
     np.testing.assert_array_equal(results["c0"], results["c1"])
-    assert results[0].participants == 4 and results[0].nodes == (0, 1)
+    assert results[0].participants == 4 and results[0].node_count == 2
 
 
 @pytest.mark.parametrize("offset, size", [(0, 0), (5, 3), (300, 200), (1 << 40, 1)])

@@ -133,7 +133,7 @@ def test_a_long_round_barrier_keeps_the_nodes_beat(tmp_path):
     server = LocalServer(JobConfig(run_dir=str(tmp_path / "run"), port=1), "127.0.0.1:1")
     seen = {}
 
-    def report_round(rid, best, participants, weight=0.0):  # the barrier, until its deadline
+    def report_round(rid, best, participants, weight=0.0, **_):  # the barrier, to its deadline
         seen["entered"] = time.monotonic()
         server.beat.value = 0.0  # only a beat during the call can set it again
         time.sleep(2.5)

@@ -120,6 +120,7 @@ class FakeClient:
         self.stopped = ""  # the job was never stopped (GlobalClient.stopped)
         self.lose_report: set[int] = set()  # rounds whose first report never arrives
         self.reports: list[tuple[int, object, int]] = []  # (round, best, participants) received
+        self.then_pulls: list[tuple[int, str | None]] = []  # (round, then_pull) of each report
         self.downloads: list[tuple[str, int]] = []
         self.joins = 0
 
@@ -142,16 +143,18 @@ class FakeClient:
         return CreditAnswer(g.grant, r.id if r else 0, int(r.kind) if r else 0,
                             r.iteration if r else 0, self.coord.done)
 
-    def report_round(self, round_id, best, participants, weight=0.0):
+    def report_round(self, round_id, best, participants, weight=0.0, then_pull=None,
+                     wire="float32"):
         if round_id in self.lose_report:
             self.lose_report.discard(round_id)
             raise Unavailable()
         self.reports.append((round_id, best, participants))
+        self.then_pulls.append((round_id, then_pull))
         if self.coord is None:
-            return RoundAnswer(False, best, 0 if best else None, participants, (0,))
+            return RoundAnswer(False, best, 0 if best else None, participants, 1)
         out = self.coord.report(0, self.session, round_id, best, participants, time.monotonic())
         assert out.ready  # one node: its report closes the round
-        return RoundAnswer(out.missed, out.leader, out.leader_node, out.participants, out.nodes,
+        return RoundAnswer(out.missed, out.leader, out.leader_node, out.participants, len(out.nodes),
                            out.evaluate, out.checkpoint)
 
     def push(self, *args, **kwargs) -> None:
@@ -277,6 +280,16 @@ def test_leader_buffer_is_kept_while_a_late_worker_pulls_toward_it(node, groups,
     srv._run_round(CreditAnswer(0, 3, int(kind), 24, 24))
     assert (leader == 7.0).all() and w1.pulls[-1].round_id == 3
     assert w1.pulls[-1].pulls == ((buffer, 0.1),)
+
+
+@pytest.mark.parametrize("algorithm, asks", [("lsgd", GLOBAL_LEADER), ("easgd", None)])
+def test_a_leader_rules_report_asks_for_the_leader_with_the_answer(node, algorithm, asks):
+    """A global round's report names the download that follows it (``then_pull``, issue 15)
+    under a leader rule; a center rule's first transfer is its upload, so it names none."""
+    srv, _ = node(False, algorithm=algorithm, num_groups=2)
+    srv.pending.extend([0, 1])
+    srv._run_round(CreditAnswer(0, 1, int(RoundKind.GLOBAL), 8, 8))
+    assert srv.client.then_pulls == [(1, asks)]
 
 
 # ---------------------------------------------------------------- item 11

@@ -395,10 +395,12 @@ class Coordinator(Membership, JobStop):
             return RoundOutcome(ready=True, missed=True)
         if not rnd.closed:
             return RoundOutcome(ready=False)
-        return RoundOutcome(ready=True, leader=rnd.leader, leader_node=rnd.leader_node,
-                            participants=sum(p for _, p in rnd.reports.values()),
-                            nodes=tuple(sorted(rnd.reports)), evaluate=rnd.evaluate,
-                            checkpoint=rnd.checkpoint)
+        if rnd.outcome is None:  # made once per round: its reports and leader are final
+            rnd.outcome = RoundOutcome(ready=True, leader=rnd.leader, leader_node=rnd.leader_node,
+                                       participants=sum(p for _, p in rnd.reports.values()),
+                                       nodes=tuple(sorted(rnd.reports)), evaluate=rnd.evaluate,
+                                       checkpoint=rnd.checkpoint)
+        return rnd.outcome
 
     # ------------------------------------------------------------------ persistence
     def state(self, now: float) -> dict:

@@ -186,6 +186,13 @@ class ParamStore(DeltaMixin, SavedParams):
                 self._maybe_settle()
                 self._changed()
 
+    def leader_waits(self, round_id: int) -> bool:
+        """Whether an upload of ``round_id``'s leader may wait for its digest (PLANE=chain: the
+        leader came down a route; ``digests.WAIT``). Read without the lock, as ``uploaders``;
+        True when the newest exchange is not that round's."""
+        ex = self.exchange
+        return ex is None or ex.round_id != round_id or ex.leader_route
+
     def uploaders(self) -> frozenset[int]:
         """The nodes the newest exchange expects the leader from (the other nodes' downloads
         wait for it). Read without the lock (the session server's loop asks at every round

@@ -99,7 +99,7 @@ class RoundBarrier:
         if not out.ready:
             raise CoordinatorError("DEADLINE_EXCEEDED", f"round {req.round_id} did not close")
         resp = pb.ReportRoundResponse(missed=out.missed, participants=out.participants,
-                                      nodes=list(out.nodes), evaluate=out.evaluate,
+                                      node_count=len(out.nodes), evaluate=out.evaluate,
                                       checkpoint=out.checkpoint,
                                       stopped=s.coord.stopped_for(node.node_index))
         if out.leader is not None:

@@ -156,6 +156,9 @@ class RoundState:
     # trimmed lazily from the front, so that checking whether the round still waits is O(1)
     # amortised rather than a pass over every node on every call.
     pending: set[int] = field(default_factory=set)
+    # The answer to every node that reported in time, made once when the round closes (its
+    # reports and leader are final then): N answers per round, each O(1), not O(N).
+    outcome: "RoundOutcome | None" = None
 
     def __post_init__(self) -> None:
         self.pending = set(self.expected)

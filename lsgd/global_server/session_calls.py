@@ -4,10 +4,11 @@ the same steps as their unary forms (``polls.py``), waiting on futures instead o
 A step runs on the loop with the servicer's lock held for microseconds; a long-poll or a round
 barrier waits on a future that the servicer's ``on_news`` resolves. A small download waits the
 same way for the parameter store's news (``ParamStore.on_change``); a small upload of a round's
-sum never waits, and runs on the loop. Digests and leader uploads, rare and sometimes slow (a
-hash of the center; a leader's digest, which ``PLANE=chain`` waits for), run in a small thread
-pool. At a round's close the leader's node is answered first: every other node's download
-waits for its upload.
+sum or leader never waits, and runs on the loop. Digests and the uploads of a leader that came
+down a route, rare and sometimes slow (a hash of the center; a leader's digest, which
+``PLANE=chain`` waits for), run in a small thread pool. At a round's close the leader's node is
+answered first: every other node's download waits for its upload, and a node that reported
+with ``then_pull`` gets that download in the round's answer (``_then_pull``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
 DIGEST_POLL = 0.05  # seconds between looks while a digest question waits
 PULL_TICK = 0.2  # seconds a download waits for the store's news before it looks again
 CREDITS, ROUNDS, PARAMS = 0, 1, 2  # what a waiter waits for news of
+THEN_PULL = (pb.BUFFER_KIND_UNSPECIFIED, pb.BUFFER_KIND_GLOBAL_LEADER)  # a report's then_pull
 
 
 class _LoopContext(CallContext):
@@ -126,14 +128,21 @@ class SessionCalls:
                     answer = await self._digest(call, ctx)
                 elif field_ == "pull":
                     answer = await self._pull(call, ctx)
-                elif field_ == "push" and call.header.buffer == pb.BUFFER_KIND_NODE_SUM:
-                    answer = self.s.SessionPush(call, ctx)  # a sum never waits: on the loop
-                elif field_ == "push":  # a leader may wait for its digest (PLANE=chain)
+                elif field_ == "push" and (call.header.buffer == pb.BUFFER_KIND_NODE_SUM or
+                                           not self.s.params.leader_waits(call.header.round_id)):
+                    answer = self.s.SessionPush(call, ctx)  # it does not wait: on the loop
+                elif field_ == "push":  # a leader that may wait for its digest (PLANE=chain)
                     answer = await self._loop.run_in_executor(self._pool, self.s.SessionPush,
                                                               call, ctx)
+                elif field_ == "acquire":
+                    answer = await self._poll(CreditPoll(self.s, call))
                 else:
-                    answer = await self._poll(CreditPoll(self.s, call) if field_ == "acquire"
-                                              else RoundBarrier(self.s, call))
+                    if call.then_pull not in THEN_PULL:
+                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "then_pull may name "
+                                      "only the global leader (BUFFER_KIND_GLOBAL_LEADER)")
+                    answer = await self._poll(RoundBarrier(self.s, call))
+                    if call.then_pull:
+                        await self._then_pull(call, answer, ctx)
             except (CoordinatorError, ParamError) as exc:
                 raise Refused(getattr(grpc.StatusCode, exc.code), str(exc)) from None
             self.s.calls.add(method)
@@ -168,6 +177,25 @@ class SessionCalls:
                 raise ParamError("DEADLINE_EXCEEDED", f"{buffer} of round {call.round_id} not "
                                  f"ready within {self.s.round_timeout:g} s")
             await self._wait(PARAMS, min(left, PULL_TICK))
+
+    async def _then_pull(self, call: pb.ReportRoundRequest, answer: pb.ReportRoundResponse,
+                         ctx: _LoopContext) -> None:
+        """The round's answer carries the node's download of the leader (``then_pull``), as a
+        ``pull`` call after it would have got it (the same checks and wait), or that call's
+        refusal: one message less per node and round. Not for the leader's own node, a missed
+        or stopped round, or a round whose leader travels on a route (PLANE=chain)."""
+        if (answer.missed or answer.stopped or not answer.has_leader or answer.route.members
+                or answer.leader_node == call.node.node_index):
+            return
+        req = pb.PullParamsRequest(node=call.node, round_id=call.round_id, buffer=call.then_pull,
+                                   wire_format=call.then_pull_wire)
+        try:
+            answer.download.CopyFrom(await self._pull(req, ctx))
+        except (CoordinatorError, ParamError) as exc:
+            answer.download_code = getattr(grpc.StatusCode, exc.code).value[0]
+            answer.download_details = str(exc)
+        except Refused as r:
+            answer.download_code, answer.download_details = r.code.value[0], r.details
 
     async def _digest(self, call: pb.DigestRequest, ctx: _LoopContext) -> pb.DigestResponse:
         """A ``Digest`` call: its checks on the loop; its answer looked at every

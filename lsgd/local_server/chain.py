@@ -239,7 +239,7 @@ class ChainMixin:
             else:  # the same vector, copied from the same slot this round, if it was
                 lx.source = LOCAL_LEADER if local_lead == lead else None
             # see ParamStore.begin: which leader uploads the server expects
-            lx.upload = (evaluate or len(answer.nodes) > 1) and lx.source is not None
+            lx.upload = (evaluate or answer.node_count > 1) and lx.source is not None
             if route is not None:
                 lx.staged = self._send_down_route(rid, self.store.slot(local_of[lead]))
                 lx.upload = route.feeds_server == me

@@ -24,7 +24,7 @@ from ..security import Security
 from ..signing import derive_key
 from ..wire import GRPC_OPTIONS
 from .session_socket import SocketSession, probe
-from .session_stream import SessionStream
+from .session_stream import CODES, CallError, SessionStream
 from .transfer_client import BUFFER_KINDS, WIRE_FORMATS, ParamTransfers
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class RoundAnswer:
     leader: Candidate | None
     leader_node: int | None
     participants: int
-    nodes: tuple[int, ...]
+    node_count: int  # how many nodes reported in time (this one included)
     evaluate: bool = False
     checkpoint: bool = False
     route: "pb.DataRoute | None" = None  # PLANE=chain: the leader's route (no members: none)
@@ -108,6 +108,10 @@ class GlobalClient:
         self._unreachable = (0, 0)  # (server epoch, session port) that did not answer
         self.transfers = ParamTransfers(self._channel, self._md, security.secret, address,
                                         node_index, lambda: self.round_timeout + RPC_TIMEOUT)
+        self._param_count = 0  # the model's, told at join
+        # The download a round's answer carried (report_round's then_pull): (buffer, round,
+        # wire, answer), taken by the next pull of that buffer and round.
+        self._carried: tuple[str, int, str, pb.ReportRoundResponse] | None = None
 
     def close(self) -> None:
         self._end_stream()
@@ -215,6 +219,7 @@ class GlobalClient:
         ``replaces``: the session of this node's earlier run (restarted after a crash), which
         the server drops in favour of this one.
         """
+        self._param_count = param_count
         if resume and not self._join_seq:  # every attempt of this reattach: one number
             self._seq += 1
             self._join_seq = self._seq
@@ -302,19 +307,32 @@ class GlobalClient:
                             resp.counter)
 
     def report_round(self, round_id: int, best: Candidate | None, participants: int,
-                     weight: float = 0.0) -> RoundAnswer:
+                     weight: float = 0.0, then_pull: str | None = None,
+                     wire: str = "float32") -> RoundAnswer:
+        """Report this node's part of a round and wait for the round's answer. ``then_pull``:
+        the buffer this node downloads right after the answer unless it is the leader's node
+        (only ``global_leader``); on the server's session port a small one comes with the
+        answer, and the next ``pull`` of it this round takes it from there."""
         req = pb.ReportRoundRequest(node=self._node(), round_id=round_id, participants=participants,
                                     weight=weight)
         if best is not None:
             req.has_best = True
             req.best.worker_id = best.worker_id
             req.best.loss = best.loss
-        resp = self._on_stream("report", req, self.round_timeout + RPC_TIMEOUT)
+        timeout = self.round_timeout + RPC_TIMEOUT
+        self._carried = None
+        if then_pull is not None and self._param_count and self.transfers.small_count(
+                self._param_count, wire):
+            req.then_pull, req.then_pull_wire = BUFFER_KINDS[then_pull], WIRE_FORMATS[wire]
+            timeout += self.round_timeout  # the barrier, then the download's own wait
+        resp = self._on_stream("report", req, timeout)
+        if resp.HasField("download") or resp.download_code:
+            self._carried = (then_pull, round_id, wire, resp)
         self.answered_at = time.monotonic()
         self._note_stop(resp.stopped)
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
         return RoundAnswer(resp.missed, leader, resp.leader_node if resp.has_leader else None,
-                           resp.participants, tuple(resp.nodes), resp.evaluate, resp.checkpoint,
+                           resp.participants, resp.node_count, resp.evaluate, resp.checkpoint,
                            resp.route if resp.route.members else None)
 
     def bypass(self, round_id: int, epoch: int, stalled: int, why: str,
@@ -372,8 +390,8 @@ class GlobalClient:
         for a seed) or a large one on the bulk port or a gRPC stream (``transfer_client.py``).
         """
         t = self.transfers
-        chunk = None
-        if round_id and buffer != "mail" and t.small(out, wire):
+        chunk = self._take_carried(buffer, round_id, wire)
+        if chunk is None and round_id and buffer != "mail" and t.small(out, wire):
             chunk = self._whole("pull", lambda: pb.PullParamsRequest(
                 node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer],
                 wire_format=WIRE_FORMATS[wire]))
@@ -381,6 +399,18 @@ class GlobalClient:
             t.fill(out, chunk.data, wire)
             return
         t.pull(self._node(), buffer, out, round_id, wire)
+
+    def _take_carried(self, buffer: str, round_id: int, wire: str) -> pb.ParamChunk | None:
+        """The download of ``buffer`` for ``round_id`` that the round's answer carried (once),
+        or None; ``CallError`` if the server refused it there."""
+        carried, self._carried = self._carried, None
+        if carried is None or carried[:3] != (buffer, round_id, wire):
+            return None
+        resp = carried[3]
+        if resp.download_code:
+            raise CallError(CODES.get(resp.download_code, grpc.StatusCode.UNKNOWN),
+                            resp.download_details)
+        return resp.download
 
     def _whole(self, field: str, request: Callable[[], object]):  # noqa: ANN202
         """A small vector's ``field`` call on the session stream, whole; None (nothing sent)

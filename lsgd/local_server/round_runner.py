@@ -73,10 +73,10 @@ class RoundMixin:
         after = center and self.rule.pull_after_exchange  # pulls toward this round's center
         weight = self._sum_slots(joins, weighted=True) if center and joins else 0.0
         if kind == RoundKind.LOCAL:  # the node's own: the global server has nothing to add
-            answer = RoundAnswer(False, best, self.cfg.node_index if best else None, len(joins),
-                                 (self.cfg.node_index,))
-        else:
-            answer = self._report(rid, best, len(joins), weight)
+            answer = RoundAnswer(False, best, self.cfg.node_index if best else None, len(joins), 1)
+        else:  # a leader rule's answer may carry the leader (then_pull), saving a call
+            answer = self._report(rid, best, len(joins), weight, then_pull=GLOBAL_LEADER if (
+                self.rule.exchange == Exchange.LEADER) else None)
         exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
         self.view.on_round(rid, kind.name.lower(), answer.leader if exchanged else None,
                            answer.leader_node if exchanged else None)
@@ -238,10 +238,12 @@ class RoundMixin:
             log.warning("round %d: worker(s) %s did not finish their pulls in time", rid, late)
         return dones
 
-    def _report(self, rid: int, best: Candidate | None, participants: int, weight: float = 0.0):
-        try:
-            with self._network_call():  # a global round's barrier: up to round_timeout
-                answer = self.client.report_round(rid, best, participants, weight)
+    def _report(self, rid: int, best: Candidate | None, participants: int, weight: float = 0.0,
+                then_pull: str | None = None):
+        try:  # a global round's barrier: up to round_timeout (then the leader's, as much)
+            with self._network_call(2 if then_pull else 1):
+                answer = self.client.report_round(rid, best, participants, weight,
+                                                  then_pull=then_pull, wire=self.cfg.wire)
         except grpc.RpcError as exc:
             if exc.code() in RECOVERABLE - {grpc.StatusCode.DEADLINE_EXCEEDED}:
                 self._detach(f"{exc.code().name}: {exc.details()}")
@@ -279,10 +281,11 @@ class RoundMixin:
                             "(GRAWA: weight 1, plain averaging)", self.rule.name,
                             "/".join(missing), c.worker_id, missing[0])
 
-    def _network_call(self):
+    def _network_call(self, rounds: int = 1):
         """Beat for the loop during one round-scale call to the global server (its deadline is
-        ``round_timeout + RPC_TIMEOUT``), so that the workers do not take the wait for death."""
-        return self.liveness.blocking(self.cfg.round_timeout + RPC_TIMEOUT + 5)
+        ``rounds * round_timeout + RPC_TIMEOUT``), so that the workers do not take the wait
+        for death."""
+        return self.liveness.blocking(rounds * self.cfg.round_timeout + RPC_TIMEOUT + 5)
 
     def _pull(self, name: str, kind: str, rid: int) -> bool:
         """Download ``kind`` into buffer ``name``; a broken download leaves ``name`` untouched.

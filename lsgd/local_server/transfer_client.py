@@ -185,7 +185,12 @@ class ParamTransfers:
     def small(out: np.ndarray, wire: str) -> bool:
         """Whether ``out`` is small enough to move whole on the session stream (less than
         ``SMALL_VECTOR`` bytes on the wire)."""
-        return out.ndim == 1 and out.size * wire_dtype(wire).itemsize < SMALL_VECTOR
+        return out.ndim == 1 and ParamTransfers.small_count(out.size, wire)
+
+    @staticmethod
+    def small_count(count: int, wire: str) -> bool:
+        """Whether a vector of ``count`` values is small (``small``)."""
+        return count * wire_dtype(wire).itemsize < SMALL_VECTOR
 
     @staticmethod
     def encode(vec: np.ndarray, wire: str) -> bytes:

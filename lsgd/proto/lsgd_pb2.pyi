@@ -251,44 +251,54 @@ class Candidate(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class ReportRoundRequest(_message.Message):
-    __slots__ = ("node", "round_id", "best", "has_best", "participants", "weight")
+    __slots__ = ("node", "round_id", "best", "has_best", "participants", "weight", "then_pull", "then_pull_wire")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
     HAS_BEST_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    THEN_PULL_FIELD_NUMBER: _ClassVar[int]
+    THEN_PULL_WIRE_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     round_id: int
     best: Candidate
     has_best: bool
     participants: int
     weight: float
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ..., weight: _Optional[float] = ...) -> None: ...
+    then_pull: BufferKind
+    then_pull_wire: WireFormat
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ..., weight: _Optional[float] = ..., then_pull: _Optional[_Union[BufferKind, str]] = ..., then_pull_wire: _Optional[_Union[WireFormat, str]] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
-    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "nodes", "evaluate", "checkpoint", "stopped", "route")
+    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "evaluate", "checkpoint", "stopped", "route", "node_count", "download", "download_code", "download_details")
     MISSED_FIELD_NUMBER: _ClassVar[int]
     HAS_LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_NODE_FIELD_NUMBER: _ClassVar[int]
     PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
-    NODES_FIELD_NUMBER: _ClassVar[int]
     EVALUATE_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
+    NODE_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_CODE_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_DETAILS_FIELD_NUMBER: _ClassVar[int]
     missed: bool
     has_leader: bool
     leader: Candidate
     leader_node: int
     participants: int
-    nodes: _containers.RepeatedScalarFieldContainer[int]
     evaluate: bool
     checkpoint: bool
     stopped: str
     route: DataRoute
-    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., nodes: _Optional[_Iterable[int]] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., stopped: _Optional[str] = ..., route: _Optional[_Union[DataRoute, _Mapping]] = ...) -> None: ...
+    node_count: int
+    download: ParamChunk
+    download_code: int
+    download_details: str
+    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., stopped: _Optional[str] = ..., route: _Optional[_Union[DataRoute, _Mapping]] = ..., node_count: _Optional[int] = ..., download: _Optional[_Union[ParamChunk, _Mapping]] = ..., download_code: _Optional[int] = ..., download_details: _Optional[str] = ...) -> None: ...
 
 class RouteMember(_message.Message):
     __slots__ = ("node", "parent", "address")
