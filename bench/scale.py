@@ -223,7 +223,8 @@ def _node(index: int, address: str, sc: Scenario, out: dict[str, Any], stop: thr
                     r = RoundAnswer(False, best, index, sc.workers, 1)
                 else:
                     r = client.report_round(rid, best, sc.workers, then_pull=(  # as the node
-                        "global_leader" if kind == RoundKind.GLOBAL else None))
+                        "global_leader" if kind == RoundKind.GLOBAL else None), then_push=(
+                        (vec, sc.workers, 0.0) if kind == RoundKind.FINAL else None))
                 t_report = time.monotonic()
                 role = ""
                 if not r.missed and kind == RoundKind.GLOBAL and r.leader and r.node_count > 1:
@@ -704,6 +705,7 @@ def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
                    "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
                    "global_p50_ms": g.get("p50_ms"), "global_p99_ms": g.get("p99_ms"),
                    "global_answer_p99_ms": g.get("answer_p99_ms"),
+                   "final_p99_ms": m["by_kind"].get("final", {}).get("p99_ms"),
                    "rounds_per_s": m["rounds_per_s"], "server_cpu_pct": m["server_cpu_pct"],
                    "server_cpu_s_per_round": (round(m["server_cpu_pct"] / 100 / m["rounds_per_s"], 3)
                                               if m["server_cpu_pct"] and m["rounds_per_s"] else None),
@@ -735,14 +737,15 @@ def compare(counts: list[int], against: str, nodes_on: str = "threads") -> int:
             new = sweep([n], nodes_on=nodes_on)[0] | {"rev": "this checkout"}
             pairs.append((old, new))
     print(f"\nthis checkout against {rev}, same host, one after the other:")
-    print("| nodes | result (old → new) | p99 round latency | global rounds: p99 of the answer "
+    print("| nodes | result (old → new) | p99 round latency | global rounds p99 | final round p99 "
           "| server CPU | CPU per round | calls per round |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for old, new in pairs:
         ok = f"{'ok' if old['ok'] else 'failed'} → {'ok' if new['ok'] else 'failed'}"
         print(f"| {new['nodes']} | {ok} ({old['errors']} → {new['errors']} errors) | "
               f"{cell(old['p99_ms'], new['p99_ms'], ' ms')} | "
-              f"{cell(old.get('global_answer_p99_ms'), new.get('global_answer_p99_ms'), ' ms')} | "
+              f"{cell(old.get('global_p99_ms'), new.get('global_p99_ms'), ' ms')} | "
+              f"{cell(old.get('final_p99_ms'), new.get('final_p99_ms'), ' ms')} | "
               f"{cell(old['server_cpu_pct'], new['server_cpu_pct'], '%')} | "
               f"{cell(old['server_cpu_s_per_round'], new['server_cpu_s_per_round'], ' s')} | "
               f"{cell(old['calls_per_round'], new['calls_per_round'])} |")

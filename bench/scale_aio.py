@@ -158,9 +158,15 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
                                                 has_best=True)
                     req.best.worker_id = index * sc.workers + rng.randrange(sc.workers)
                     req.best.loss = rng.random()
-                    if kind == RoundKind.GLOBAL and 4 * sc.param_count < SMALL_VECTOR:
+                    small = 4 * sc.param_count < SMALL_VECTOR
+                    if kind == RoundKind.GLOBAL and small:
                         req.then_pull = pb.BUFFER_KIND_GLOBAL_LEADER  # as the node: the answer
                         req.then_pull_wire = pb.WIRE_FORMAT_UNSPECIFIED  # carries the leader
+                    if kind == RoundKind.FINAL and small:  # and the report the node's sum
+                        req.then_push.header.CopyFrom(pb.PushHeader(
+                            node=node, round_id=rid, buffer=pb.BUFFER_KIND_NODE_SUM,
+                            param_count=sc.param_count, summands=sc.workers))
+                        req.then_push.data = vec
                     r = await session_call("report", req, 2 * sc.round_timeout + RPC_TIMEOUT)
                     missed, participants = r.missed, r.participants
                 t_report = time.monotonic()
@@ -183,7 +189,10 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
                         if r.has_leader and r.leader_node == index:
                             await push(pb.BUFFER_KIND_GLOBAL_LEADER, rid)
                             role = "leader"
-                        await push(pb.BUFFER_KIND_NODE_SUM, rid, summands=sc.workers)
+                        if r.push_code:
+                            raise _Refused(r.push_code, r.push_details)
+                        if not r.pushed:
+                            await push(pb.BUFFER_KIND_NODE_SUM, rid, summands=sc.workers)
                         if index == 0 and r.has_leader:
                             await pull(pb.BUFFER_KIND_GLOBAL_LEADER, rid)
                             await pull(pb.BUFFER_KIND_AVERAGE, rid)

@@ -121,6 +121,7 @@ class FakeClient:
         self.lose_report: set[int] = set()  # rounds whose first report never arrives
         self.reports: list[tuple[int, object, int]] = []  # (round, best, participants) received
         self.then_pulls: list[tuple[int, str | None]] = []  # (round, then_pull) of each report
+        self.then_pushes: list[tuple[int, object]] = []  # (round, (summands, weight) or None)
         self.downloads: list[tuple[str, int]] = []
         self.joins = 0
 
@@ -144,12 +145,13 @@ class FakeClient:
                             r.iteration if r else 0, self.coord.done)
 
     def report_round(self, round_id, best, participants, weight=0.0, then_pull=None,
-                     wire="float32"):
+                     wire="float32", then_push=None):
         if round_id in self.lose_report:
             self.lose_report.discard(round_id)
             raise Unavailable()
         self.reports.append((round_id, best, participants))
         self.then_pulls.append((round_id, then_pull))
+        self.then_pushes.append((round_id, then_push and then_push[1:]))
         if self.coord is None:
             return RoundAnswer(False, best, 0 if best else None, participants, 1)
         out = self.coord.report(0, self.session, round_id, best, participants, time.monotonic())
@@ -282,14 +284,16 @@ def test_leader_buffer_is_kept_while_a_late_worker_pulls_toward_it(node, groups,
     assert w1.pulls[-1].pulls == ((buffer, 0.1),)
 
 
-@pytest.mark.parametrize("algorithm, asks", [("lsgd", GLOBAL_LEADER), ("easgd", None)])
-def test_a_leader_rules_report_asks_for_the_leader_with_the_answer(node, algorithm, asks):
-    """A global round's report names the download that follows it (``then_pull``, issue 15)
-    under a leader rule; a center rule's first transfer is its upload, so it names none."""
+@pytest.mark.parametrize("algorithm, asks, sends", [("lsgd", GLOBAL_LEADER, None),
+                                                   ("easgd", None, (2, 2.0))])
+def test_a_global_rounds_report_names_the_transfers_that_follow_it(node, algorithm, asks, sends):
+    """A global round's report names the download that follows it under a leader rule
+    (``then_pull``, issue 15), and carries the node's sum (summands, weight) under a center
+    rule (``then_push``), so that small ones travel with the report and its answer."""
     srv, _ = node(False, algorithm=algorithm, num_groups=2)
     srv.pending.extend([0, 1])
     srv._run_round(CreditAnswer(0, 1, int(RoundKind.GLOBAL), 8, 8))
-    assert srv.client.then_pulls == [(1, asks)]
+    assert srv.client.then_pulls == [(1, asks)] and srv.client.then_pushes == [(1, sends)]
 
 
 # ---------------------------------------------------------------- item 11

@@ -137,10 +137,10 @@ class SessionCalls:
                 elif field_ == "acquire":
                     answer = await self._poll(CreditPoll(self.s, call))
                 else:
-                    if call.then_pull not in THEN_PULL:
-                        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "then_pull may name "
-                                      "only the global leader (BUFFER_KIND_GLOBAL_LEADER)")
+                    carried = self._carried_upload(call, ctx)  # checked before it counts
                     answer = await self._poll(RoundBarrier(self.s, call))
+                    if carried is not None:
+                        self._then_push(carried, answer, ctx)
                     if call.then_pull:
                         await self._then_pull(call, answer, ctx)
             except (CoordinatorError, ParamError) as exc:
@@ -177,6 +177,40 @@ class SessionCalls:
                 raise ParamError("DEADLINE_EXCEEDED", f"{buffer} of round {call.round_id} not "
                                  f"ready within {self.s.round_timeout:g} s")
             await self._wait(PARAMS, min(left, PULL_TICK))
+
+    def _carried_upload(self, call: pb.ReportRoundRequest,
+                        ctx: _LoopContext) -> tuple[pb.SessionUpload, bool] | None:
+        """A report's ``then_pull`` and ``then_push``, checked before the report counts: a
+        malformed one refuses the report (INVALID_ARGUMENT) and changes nothing. The carried
+        upload and whether its values are finite, or None."""
+        if call.then_pull not in THEN_PULL:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "then_pull may name only the "
+                          "global leader (BUFFER_KIND_GLOBAL_LEADER)")
+        if not call.HasField("then_push"):
+            return None
+        upload, h = call.then_push, call.then_push.header
+        if (h.buffer != pb.BUFFER_KIND_NODE_SUM or h.round_id != call.round_id
+                or h.node != call.node):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "then_push carries only this node's "
+                          "sum (BUFFER_KIND_NODE_SUM) of the round it reports")
+        return upload, self.s.small_upload_check(upload, ctx)
+
+    def _then_push(self, carried: tuple[pb.SessionUpload, bool], answer: pb.ReportRoundResponse,
+                   ctx: _LoopContext) -> None:
+        """The report's sum, taken now that the round has closed (as an upload right after the
+        answer would be: a sum never waits, so on the loop), and the answer says so, or why not.
+        Not for a missed or stopped round, or one whose sums go along a route (PLANE=chain)."""
+        if answer.missed or answer.stopped or answer.route.members:
+            return
+        try:
+            upload, finite = carried
+            self.s.take_small_upload(upload, ctx, finite)
+            answer.pushed = True
+        except (CoordinatorError, ParamError) as exc:
+            answer.push_code = getattr(grpc.StatusCode, exc.code).value[0]
+            answer.push_details = str(exc)
+        except Refused as r:
+            answer.push_code, answer.push_details = r.code.value[0], r.details
 
     async def _then_pull(self, call: pb.ReportRoundRequest, answer: pb.ReportRoundResponse,
                          ctx: _LoopContext) -> None:

@@ -252,6 +252,22 @@ class TransferRPCs:
                     context: grpc.ServicerContext) -> pb.PushParamsResponse:
         """A small upload on a ``Session`` stream: a round's leader or sum, whole (the other
         uploads may wait, e.g. for another seed of the center, and go on ``PushParams``)."""
+        finite = self.small_upload_check(request, context)
+        self.take_small_upload(request, context, finite)
+        return pb.PushParamsResponse()
+
+    def take_small_upload(self, request: pb.SessionUpload, context: grpc.ServicerContext,
+                          finite: bool) -> None:
+        """A small upload checked by ``small_upload_check``, taken into the store."""
+        try:
+            self.take_upload(request.header, iter(((0, request.data),)), context, finite=finite)
+        finally:
+            self.stats.moved(received=len(request.data))
+
+    def small_upload_check(self, request: pb.SessionUpload, context: grpc.ServicerContext) -> bool:
+        """The checks of a small upload that need no round: its buffer, size and values, so
+        that a malformed one is refused before it is taken and changes nothing. Returns
+        whether its values were found finite (the store need not look again)."""
         h = request.header
         if BUFFERS.get(h.buffer) not in SESSION_UPLOADS:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -279,11 +295,7 @@ class TransferRPCs:
                               f"upload has non-finite values at element "
                               f"{int(np.argmin(np.isfinite(values)))}")
             finite = True  # (the store need not look again)
-        try:
-            self.take_upload(h, iter(((0, request.data),)), context, finite=finite)
-        finally:
-            self.stats.moved(received=len(request.data))
-        return pb.PushParamsResponse()
+        return finite
 
     def SessionPull(self, request: pb.PullParamsRequest,
                     context: grpc.ServicerContext) -> pb.ParamChunk:

@@ -110,8 +110,10 @@ class GlobalClient:
                                         node_index, lambda: self.round_timeout + RPC_TIMEOUT)
         self._param_count = 0  # the model's, told at join
         # The download a round's answer carried (report_round's then_pull): (buffer, round,
-        # wire, answer), taken by the next pull of that buffer and round.
+        # wire, answer), taken by the next pull of that buffer and round; and the upload its
+        # report carried (then_push): (round, answer), which the next push of the sum is.
         self._carried: tuple[str, int, str, pb.ReportRoundResponse] | None = None
+        self._carried_push: tuple[int, pb.ReportRoundResponse] | None = None
 
     def close(self) -> None:
         self._end_stream()
@@ -308,11 +310,15 @@ class GlobalClient:
 
     def report_round(self, round_id: int, best: Candidate | None, participants: int,
                      weight: float = 0.0, then_pull: str | None = None,
-                     wire: str = "float32") -> RoundAnswer:
+                     wire: str = "float32",
+                     then_push: tuple[np.ndarray, int, float] | None = None) -> RoundAnswer:
         """Report this node's part of a round and wait for the round's answer. ``then_pull``:
         the buffer this node downloads right after the answer unless it is the leader's node
         (only ``global_leader``); on the server's session port a small one comes with the
-        answer, and the next ``pull`` of it this round takes it from there."""
+        answer, and the next ``pull`` of it this round takes it from there. ``then_push``:
+        (vector, summands, weight) of the sum this node uploads right after the answer; on the
+        session port a small one goes with the report, and the next ``push`` of the sum this
+        round is that upload (done, or refused as it was)."""
         req = pb.ReportRoundRequest(node=self._node(), round_id=round_id, participants=participants,
                                     weight=weight)
         if best is not None:
@@ -320,14 +326,23 @@ class GlobalClient:
             req.best.worker_id = best.worker_id
             req.best.loss = best.loss
         timeout = self.round_timeout + RPC_TIMEOUT
-        self._carried = None
+        self._carried = self._carried_push = None
         if then_pull is not None and self._param_count and self.transfers.small_count(
                 self._param_count, wire):
             req.then_pull, req.then_pull_wire = BUFFER_KINDS[then_pull], WIRE_FORMATS[wire]
             timeout += self.round_timeout  # the barrier, then the download's own wait
+        if then_push is not None and self.transfers.small(then_push[0], wire):
+            vec, summands, push_weight = then_push
+            req.then_push.header.CopyFrom(pb.PushHeader(
+                node=self._node(), round_id=round_id, buffer=BUFFER_KINDS["sum"],
+                param_count=vec.size, summands=summands, wire_format=WIRE_FORMATS[wire],
+                weight=push_weight))
+            req.then_push.data = self.transfers.encode(vec, wire)
         resp = self._on_stream("report", req, timeout)
         if resp.HasField("download") or resp.download_code:
             self._carried = (then_pull, round_id, wire, resp)
+        if resp.pushed or resp.push_code:
+            self._carried_push = (round_id, resp)
         self.answered_at = time.monotonic()
         self._note_stop(resp.stopped)
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
@@ -371,6 +386,9 @@ class GlobalClient:
         (``transfer_client.py``).
         """
         t = self.transfers
+        if buffer == "sum" and self._took_carried_push(round_id):
+            t.moved["session"] += 1
+            return
         if buffer in SESSION_UPLOADS and t.small(vec, wire) and self._whole("push", lambda: (
                 pb.SessionUpload(header=pb.PushHeader(
                     node=self._node(), round_id=round_id, buffer=BUFFER_KINDS[buffer],
@@ -399,6 +417,17 @@ class GlobalClient:
             t.fill(out, chunk.data, wire)
             return
         t.pull(self._node(), buffer, out, round_id, wire)
+
+    def _took_carried_push(self, round_id: int) -> bool:
+        """Whether the sum of ``round_id`` went with its report (once); ``CallError`` if the
+        server refused it there."""
+        carried, self._carried_push = self._carried_push, None
+        if carried is None or carried[0] != round_id:
+            return False
+        resp = carried[1]
+        if resp.push_code:
+            raise CallError(CODES.get(resp.push_code, grpc.StatusCode.UNKNOWN), resp.push_details)
+        return True
 
     def _take_carried(self, buffer: str, round_id: int, wire: str) -> pb.ParamChunk | None:
         """The download of ``buffer`` for ``round_id`` that the round's answer carried (once),

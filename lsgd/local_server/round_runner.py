@@ -74,9 +74,10 @@ class RoundMixin:
         weight = self._sum_slots(joins, weighted=True) if center and joins else 0.0
         if kind == RoundKind.LOCAL:  # the node's own: the global server has nothing to add
             answer = RoundAnswer(False, best, self.cfg.node_index if best else None, len(joins), 1)
-        else:  # a leader rule's answer may carry the leader (then_pull), saving a call
+        else:  # the report may carry the sum and the answer the leader: a call less for each
             answer = self._report(rid, best, len(joins), weight, then_pull=GLOBAL_LEADER if (
-                self.rule.exchange == Exchange.LEADER) else None)
+                self.rule.exchange == Exchange.LEADER) else None, then_push=(
+                SUM, len(joins), weight) if center and joins else None)
         exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
         self.view.on_round(rid, kind.name.lower(), answer.leader if exchanged else None,
                            answer.leader_node if exchanged else None)
@@ -239,11 +240,21 @@ class RoundMixin:
         return dones
 
     def _report(self, rid: int, best: Candidate | None, participants: int, weight: float = 0.0,
-                then_pull: str | None = None):
+                then_pull: str | None = None,
+                then_push: tuple[str, int, float] | None = None):
+        """Report round ``rid``: the answer, or None. ``then_pull`` names the download, and
+        ``then_push`` (buffer, summands, weight) the upload of the node's sum, that follow the
+        answer (``GlobalClient.report_round``: small ones travel with it)."""
+        push = None
+        if then_push is not None:
+            assert self.store is not None
+            name, summands, push_weight = then_push
+            push = (self.store.buffer(name), summands, push_weight)
         try:  # a global round's barrier: up to round_timeout (then the leader's, as much)
             with self._network_call(2 if then_pull else 1):
                 answer = self.client.report_round(rid, best, participants, weight,
-                                                  then_pull=then_pull, wire=self.cfg.wire)
+                                                  then_pull=then_pull, wire=self.cfg.wire,
+                                                  then_push=push)
         except grpc.RpcError as exc:
             if exc.code() in RECOVERABLE - {grpc.StatusCode.DEADLINE_EXCEEDED}:
                 self._detach(f"{exc.code().name}: {exc.details()}")
@@ -316,7 +327,8 @@ class RoundMixin:
         self.view.wait(f"final round {rid}: electing the final leader", key="final")
         if joins:
             self._sum_slots(joins)
-        answer = self._report(rid, best, len(joins))
+        answer = self._report(rid, best, len(joins),
+                              then_push=(SUM, len(joins), 0.0) if joins else None)
         if answer and not answer.missed:
             self.view.on_round(rid, "final", answer.leader, answer.leader_node)
             if answer.leader and answer.leader_node == self.cfg.node_index:

@@ -251,7 +251,7 @@ class Candidate(_message.Message):
     def __init__(self, worker_id: _Optional[int] = ..., loss: _Optional[float] = ...) -> None: ...
 
 class ReportRoundRequest(_message.Message):
-    __slots__ = ("node", "round_id", "best", "has_best", "participants", "weight", "then_pull", "then_pull_wire")
+    __slots__ = ("node", "round_id", "best", "has_best", "participants", "weight", "then_pull", "then_pull_wire", "then_push")
     NODE_FIELD_NUMBER: _ClassVar[int]
     ROUND_ID_FIELD_NUMBER: _ClassVar[int]
     BEST_FIELD_NUMBER: _ClassVar[int]
@@ -260,6 +260,7 @@ class ReportRoundRequest(_message.Message):
     WEIGHT_FIELD_NUMBER: _ClassVar[int]
     THEN_PULL_FIELD_NUMBER: _ClassVar[int]
     THEN_PULL_WIRE_FIELD_NUMBER: _ClassVar[int]
+    THEN_PUSH_FIELD_NUMBER: _ClassVar[int]
     node: NodeId
     round_id: int
     best: Candidate
@@ -268,10 +269,11 @@ class ReportRoundRequest(_message.Message):
     weight: float
     then_pull: BufferKind
     then_pull_wire: WireFormat
-    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ..., weight: _Optional[float] = ..., then_pull: _Optional[_Union[BufferKind, str]] = ..., then_pull_wire: _Optional[_Union[WireFormat, str]] = ...) -> None: ...
+    then_push: SessionUpload
+    def __init__(self, node: _Optional[_Union[NodeId, _Mapping]] = ..., round_id: _Optional[int] = ..., best: _Optional[_Union[Candidate, _Mapping]] = ..., has_best: _Optional[bool] = ..., participants: _Optional[int] = ..., weight: _Optional[float] = ..., then_pull: _Optional[_Union[BufferKind, str]] = ..., then_pull_wire: _Optional[_Union[WireFormat, str]] = ..., then_push: _Optional[_Union[SessionUpload, _Mapping]] = ...) -> None: ...
 
 class ReportRoundResponse(_message.Message):
-    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "evaluate", "checkpoint", "stopped", "route", "node_count", "download", "download_code", "download_details")
+    __slots__ = ("missed", "has_leader", "leader", "leader_node", "participants", "evaluate", "checkpoint", "stopped", "route", "node_count", "download", "download_code", "download_details", "pushed", "push_code", "push_details")
     MISSED_FIELD_NUMBER: _ClassVar[int]
     HAS_LEADER_FIELD_NUMBER: _ClassVar[int]
     LEADER_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +287,9 @@ class ReportRoundResponse(_message.Message):
     DOWNLOAD_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_CODE_FIELD_NUMBER: _ClassVar[int]
     DOWNLOAD_DETAILS_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    PUSH_CODE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_DETAILS_FIELD_NUMBER: _ClassVar[int]
     missed: bool
     has_leader: bool
     leader: Candidate
@@ -298,7 +303,10 @@ class ReportRoundResponse(_message.Message):
     download: ParamChunk
     download_code: int
     download_details: str
-    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., stopped: _Optional[str] = ..., route: _Optional[_Union[DataRoute, _Mapping]] = ..., node_count: _Optional[int] = ..., download: _Optional[_Union[ParamChunk, _Mapping]] = ..., download_code: _Optional[int] = ..., download_details: _Optional[str] = ...) -> None: ...
+    pushed: bool
+    push_code: int
+    push_details: str
+    def __init__(self, missed: _Optional[bool] = ..., has_leader: _Optional[bool] = ..., leader: _Optional[_Union[Candidate, _Mapping]] = ..., leader_node: _Optional[int] = ..., participants: _Optional[int] = ..., evaluate: _Optional[bool] = ..., checkpoint: _Optional[bool] = ..., stopped: _Optional[str] = ..., route: _Optional[_Union[DataRoute, _Mapping]] = ..., node_count: _Optional[int] = ..., download: _Optional[_Union[ParamChunk, _Mapping]] = ..., download_code: _Optional[int] = ..., download_details: _Optional[str] = ..., pushed: _Optional[bool] = ..., push_code: _Optional[int] = ..., push_details: _Optional[str] = ...) -> None: ...
 
 class RouteMember(_message.Message):
     __slots__ = ("node", "parent", "address")
