@@ -169,6 +169,15 @@ BAD = {
     "then_push not finite": lambda c, r, v: dict(then_push=_sum_upload(
         c, r, np.where(np.arange(N) == 7, np.nan, v).astype(np.float32))),
     "then_push of another size": lambda c, r, v: dict(then_push=_sum_upload(c, r, v[:-1])),
+    "then_pull in an unknown format": lambda c, r, v: dict(
+        then_pull=pb.BUFFER_KIND_GLOBAL_LEADER, then_pull_wire=7),
+    "then_push in an unknown format": lambda c, r, v: dict(then_push=_sum_upload(
+        c, r, v, wire_format=7)),
+    "then_push of no summands": lambda c, r, v: dict(then_push=_sum_upload(c, r, v, summands=0)),
+    "then_push of more summands than participants": lambda c, r, v: dict(
+        then_push=_sum_upload(c, r, v, summands=2)),
+    "then_push of a weight out of range": lambda c, r, v: dict(then_push=_sum_upload(
+        c, r, v, weight=1e9)),
 }
 
 
@@ -185,13 +194,11 @@ def test_a_malformed_carried_transfer_refuses_the_report_before_it_counts(bad):
         with pytest.raises(grpc.RpcError) as e:
             nodes[0]._on_stream("report", req, 5.0)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
-        assert "then_" in e.value.details() or "upload" in e.value.details()
+        assert "then_" in e.value.details() or "upload" in e.value.details(), e.value.details()
         assert 0 not in served.servicer.coord.round.reports
         answers = {}
         _all(lambda c: answers.setdefault(c.node_index, c.report_round(r, None, 1)), nodes)
         assert [answers[i].node_count for i in range(NODES)] == [NODES] * NODES
-        ex = served.servicer.params.exchange
-        assert ex.round_id == r and ex.summands == 0  # nothing was taken from the bad one
         for c in nodes:
             c.close()
     finally:
@@ -206,10 +213,15 @@ def test_the_report_carries_the_sum_and_the_next_push_is_it(easgd):
     """EASGD: every node's report carries its sum; on the session port the answer says it was
     taken and the node's push of it makes no call; the exchange settles with every sum."""
     nodes, r = _at_round(easgd)
-    sums, answers = _sums(r), {}
+    sums, answers, sent = _sums(r), {}, []
+    for c in nodes:  # what each report carried
+        c._on_stream = (lambda call: lambda field, req, timeout: (
+            field == "report" and sent.append(req.HasField("then_push")),
+            call(field, req, timeout))[1])(c._on_stream)
     _all(lambda c: answers.setdefault(c.node_index, c.report_round(
         r, None, 1, then_push=(sums[c.node_index], 1, 0.0))), nodes)
     aio = easgd.srv.sessions is not None
+    assert sent == [aio] * NODES  # PORT's Session would ignore it: not sent there
     taken = easgd.servicer.params.exchange.summands  # before any node pushed
     assert taken == (NODES if aio else 0)
     pushes = easgd.servicer.calls.counts.get("PushParams", 0)
@@ -252,3 +264,56 @@ def test_without_then_pull_the_answer_carries_nothing_and_the_node_pulls(served)
         assert served.servicer.calls.counts.get("PullParams", 0) == pulls + 1
     for c in nodes:
         c.close()
+
+
+@pytest.mark.parametrize("served", ["aio"], indirect=True)
+def test_a_leader_without_a_route_is_taken_on_the_loop_not_in_the_pool(served):
+    """A leader that waits for no digest (no PLANE=chain route) is taken on the event loop,
+    as a sum is; only one that came down a route waits in the pool (test_session_vectors'
+    digest test). Here the pool refuses work: the round completes all the same."""
+
+    class NoPool:
+        def submit(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+            raise AssertionError("the leader went to the pool")
+
+        def shutdown(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            pass
+
+    served.srv.sessions._pool = NoPool()
+    nodes, answers, took, v, r = _round(served)
+    out = np.zeros(N, np.float32)
+    nodes[0].pull("global_leader", out, r)
+    assert np.array_equal(out, v)
+    for c in nodes:
+        c.close()
+
+
+def test_a_carried_sum_in_a_format_the_server_cannot_read_leaves_the_report_alone(monkeypatch):
+    """A server without ml_dtypes cannot read bfloat16: the report still counts (only the sum
+    fails, as its own push would), and the node's push of it is refused by the server."""
+    pytest.importorskip("ml_dtypes")
+    from lsgd.global_server import transfers
+    from lsgd.global_server.params import ParamError
+
+    real = transfers._wire_dtype
+
+    def no_bfloat16(wire: str):  # noqa: ANN202
+        if wire == "bfloat16":
+            raise ParamError("UNIMPLEMENTED", "this server cannot use the bfloat16 wire format")
+        return real(wire)
+
+    monkeypatch.setattr(transfers, "_wire_dtype", no_bfloat16)
+    served = _serve("aio", "easgd")
+    try:
+        nodes, r = _at_round(served)
+        sums, answers = _sums(r), {}
+        _all(lambda c: answers.setdefault(c.node_index, c.report_round(
+            r, None, 1, wire="bfloat16", then_push=(sums[c.node_index], 1, 0.0))), nodes)
+        assert [answers[i].node_count for i in range(NODES)] == [NODES] * NODES
+        for c in nodes:
+            with pytest.raises(grpc.RpcError) as e:
+                c.push("sum", sums[c.node_index], r, summands=1, wire="bfloat16")
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+            c.close()
+    finally:
+        served.srv.stop(grace=0.5).wait(5)

@@ -123,6 +123,7 @@ class FakeClient:
         self.then_pulls: list[tuple[int, str | None]] = []  # (round, then_pull) of each report
         self.then_pushes: list[tuple[int, object]] = []  # (round, (summands, weight) or None)
         self.downloads: list[tuple[str, int]] = []
+        self.uploads: list[tuple[str, int]] = []  # (buffer, round): the uploads go nowhere
         self.joins = 0
 
     def join(self, *, workers, param_count, algorithm, num_groups, connect_timeout, resume=False,
@@ -159,8 +160,8 @@ class FakeClient:
         return RoundAnswer(out.missed, out.leader, out.leader_node, out.participants, len(out.nodes),
                            out.evaluate, out.checkpoint)
 
-    def push(self, *args, **kwargs) -> None:
-        pass
+    def push(self, kind, vec, round_id, *args, **kwargs) -> None:
+        self.uploads.append((kind, round_id))
 
     def pull(self, kind, out, round_id, wire="float32") -> None:
         self.downloads.append((kind, round_id))
@@ -309,6 +310,10 @@ def test_round_handed_again_after_a_lost_report_is_reported_but_never_pulled_twi
         assert f.pulled_rounds() == {1: 1, 2: 1}, f.pulls
     reported = [(rid, participants) for rid, _, participants in srv.client.reports]
     assert reported == [(1, 0), (2, 2), (3, 2)]  # round 1 once, without an exchange
+    # the reports that exchange carry the node's sum (then_push), and the node still pushes
+    # it after the answer (the client makes no call when the report carried it)
+    assert srv.client.then_pushes[1:] == [(2, (2, 2.0)), (3, (2, 0.0))]
+    assert [u for u in srv.client.uploads if u[0] == "sum"] == [("sum", 2), ("sum", 3)]
     assert srv.client.coord.done == 24 and srv.summary["round_id"] == 3
 
 

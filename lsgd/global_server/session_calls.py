@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING
 import grpc
 
 from ..proto import lsgd_pb2 as pb
+from ..rules.base import MAX_WEIGHT, MIN_WEIGHT
 from .coordinator import CoordinatorError
 from .params import ParamError
 from .polls import CreditPoll, RoundBarrier
 from .session import CallContext, Refused, method_of, parse_call
+from .transfers import WIRES
 
 if TYPE_CHECKING:
     from .servicer import GlobalServicer
@@ -183,17 +185,30 @@ class SessionCalls:
         """A report's ``then_pull`` and ``then_push``, checked before the report counts: a
         malformed one refuses the report (INVALID_ARGUMENT) and changes nothing. The carried
         upload and whether its values are finite, or None."""
-        if call.then_pull not in THEN_PULL:
+        if call.then_pull not in THEN_PULL or call.then_pull_wire not in WIRES:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "then_pull may name only the "
-                          "global leader (BUFFER_KIND_GLOBAL_LEADER)")
+                          "global leader (BUFFER_KIND_GLOBAL_LEADER), in a known wire format")
         if not call.HasField("then_push"):
             return None
         upload, h = call.then_push, call.then_push.header
         if (h.buffer != pb.BUFFER_KIND_NODE_SUM or h.round_id != call.round_id
-                or h.node != call.node):
+                or h.node != call.node or h.wire_format not in WIRES):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "then_push carries only this node's "
-                          "sum (BUFFER_KIND_NODE_SUM) of the round it reports")
-        return upload, self.s.small_upload_check(upload, ctx)
+                          "sum (BUFFER_KIND_NODE_SUM) of the round it reports, in a known wire "
+                          "format")
+        if not 1 <= h.summands <= call.participants or (h.weight and not (
+                h.summands * MIN_WEIGHT * (1 - 1e-9) <= h.weight
+                <= h.summands * MAX_WEIGHT * (1 + 1e-9))):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"then_push sums {h.summands} of the "
+                          f"report's {call.participants} participants, weight {h.weight}: at "
+                          f"least 1, at most the participants, each of weight in "
+                          f"[{MIN_WEIGHT:g}, {MAX_WEIGHT:g}]")
+        try:
+            return upload, self.s.small_upload_check(upload, ctx)
+        except ParamError as exc:
+            if exc.code != "UNIMPLEMENTED":
+                raise
+            return None  # a format this server cannot read: the node's own push says so
 
     def _then_push(self, carried: tuple[pb.SessionUpload, bool], answer: pb.ReportRoundResponse,
                    ctx: _LoopContext) -> None:

@@ -113,7 +113,7 @@ class GlobalClient:
         # wire, answer), taken by the next pull of that buffer and round; and the upload its
         # report carried (then_push): (round, answer), which the next push of the sum is.
         self._carried: tuple[str, int, str, pb.ReportRoundResponse] | None = None
-        self._carried_push: tuple[int, pb.ReportRoundResponse] | None = None
+        self._carried_push: tuple[int, pb.SessionUpload, pb.ReportRoundResponse] | None = None
 
     def close(self) -> None:
         self._end_stream()
@@ -327,11 +327,12 @@ class GlobalClient:
             req.best.loss = best.loss
         timeout = self.round_timeout + RPC_TIMEOUT
         self._carried = self._carried_push = None
-        if then_pull is not None and self._param_count and self.transfers.small_count(
+        carry = bool(self._session_port)  # PORT's Session would ignore them: send nothing
+        if carry and then_pull is not None and self._param_count and self.transfers.small_count(
                 self._param_count, wire):
             req.then_pull, req.then_pull_wire = BUFFER_KINDS[then_pull], WIRE_FORMATS[wire]
             timeout += self.round_timeout  # the barrier, then the download's own wait
-        if then_push is not None and self.transfers.small(then_push[0], wire):
+        if carry and then_push is not None and self.transfers.small(then_push[0], wire):
             vec, summands, push_weight = then_push
             req.then_push.header.CopyFrom(pb.PushHeader(
                 node=self._node(), round_id=round_id, buffer=BUFFER_KINDS["sum"],
@@ -342,7 +343,7 @@ class GlobalClient:
         if resp.HasField("download") or resp.download_code:
             self._carried = (then_pull, round_id, wire, resp)
         if resp.pushed or resp.push_code:
-            self._carried_push = (round_id, resp)
+            self._carried_push = (round_id, req.then_push, resp)
         self.answered_at = time.monotonic()
         self._note_stop(resp.stopped)
         leader = Candidate(resp.leader.worker_id, resp.leader.loss) if resp.has_leader else None
@@ -386,7 +387,7 @@ class GlobalClient:
         (``transfer_client.py``).
         """
         t = self.transfers
-        if buffer == "sum" and self._took_carried_push(round_id):
+        if buffer == "sum" and self._took_carried_push(round_id, vec, summands, wire, weight):
             t.moved["session"] += 1
             return
         if buffer in SESSION_UPLOADS and t.small(vec, wire) and self._whole("push", lambda: (
@@ -418,13 +419,20 @@ class GlobalClient:
             return
         t.pull(self._node(), buffer, out, round_id, wire)
 
-    def _took_carried_push(self, round_id: int) -> bool:
-        """Whether the sum of ``round_id`` went with its report (once); ``CallError`` if the
-        server refused it there."""
-        carried, self._carried_push = self._carried_push, None
+    def _took_carried_push(self, round_id: int, vec: np.ndarray, summands: int, wire: str,
+                           weight: float) -> bool:
+        """Whether this very upload of the sum of ``round_id`` (the same values, summands,
+        weight and wire format) went with its report (once); ``CallError`` if the server
+        refused it there."""
+        carried = self._carried_push
         if carried is None or carried[0] != round_id:
             return False
-        resp = carried[1]
+        h, data = carried[1].header, carried[1].data
+        if ((h.summands, h.weight, h.wire_format) != (summands, weight, WIRE_FORMATS[wire])
+                or data != self.transfers.encode(vec, wire)):
+            return False
+        self._carried_push = None
+        resp = carried[2]
         if resp.push_code:
             raise CallError(CODES.get(resp.push_code, grpc.StatusCode.UNKNOWN), resp.push_details)
         return True
@@ -432,9 +440,10 @@ class GlobalClient:
     def _take_carried(self, buffer: str, round_id: int, wire: str) -> pb.ParamChunk | None:
         """The download of ``buffer`` for ``round_id`` that the round's answer carried (once),
         or None; ``CallError`` if the server refused it there."""
-        carried, self._carried = self._carried, None
+        carried = self._carried
         if carried is None or carried[:3] != (buffer, round_id, wire):
             return None
+        self._carried = None
         resp = carried[3]
         if resp.download_code:
             raise CallError(CODES.get(resp.download_code, grpc.StatusCode.UNKNOWN),

@@ -76,8 +76,9 @@ class RoundMixin:
             answer = RoundAnswer(False, best, self.cfg.node_index if best else None, len(joins), 1)
         else:  # the report may carry the sum and the answer the leader: a call less for each
             answer = self._report(rid, best, len(joins), weight, then_pull=GLOBAL_LEADER if (
-                self.rule.exchange == Exchange.LEADER) else None, then_push=(
-                SUM, len(joins), weight) if center and joins else None)
+                self.rule.exchange == Exchange.LEADER and not readers(self.workers, GLOBAL_LEADER)
+            ) else None, then_push=(SUM, len(joins), weight) if (
+                center and joins and self.plane is None) else None)  # (a reduce: on its route)
         exchanged = bool(answer and not answer.missed)  # this node takes part in the exchange
         self.view.on_round(rid, kind.name.lower(), answer.leader if exchanged else None,
                            answer.leader_node if exchanged else None)
@@ -328,7 +329,8 @@ class RoundMixin:
         if joins:
             self._sum_slots(joins)
         answer = self._report(rid, best, len(joins),
-                              then_push=(SUM, len(joins), 0.0) if joins else None)
+                              then_push=(SUM, len(joins), 0.0) if joins and self.plane is None
+                              else None)
         if answer and not answer.missed:
             self.view.on_round(rid, "final", answer.leader, answer.leader_node)
             if answer.leader and answer.leader_node == self.cfg.node_index:
