@@ -45,7 +45,9 @@ def test_a_chain_job_passes_every_leader_node_to_node(cluster, fanout):
     assert all(s["failed"] == 0 and s["bypasses"] == 0 for s in stats.values()), stats
     # each global round: the source sends once per child, every other member receives once
     assert sum(s["sent"] for s in stats.values()) == sum(s["received"] for s in stats.values())
-    assert all(s["received"] > 0 for s in stats.values()), stats  # every node led sometimes not
+    # Every node that did not lead every round received: at least two. (Leadership follows the
+    # losses; one node leading all of a short job's rounds happens, 1 run in 3 to 7 here.)
+    assert sum(1 for s in stats.values() if s["received"] > 0) >= 2, stats
     if fanout == 2:  # a tree: each round's source sends to both others, nobody forwards
         rounds = sum(s["sent"] for s in stats.values()) // 2
         assert all(s["sent"] == 2 * (rounds - s["received"]) for s in stats.values()), stats
