@@ -211,7 +211,10 @@ async def _node(index: int, address: str, sc: Any, out: dict[str, Any], stop: as
                 if sc.step_ms:
                     await asyncio.sleep(math.ceil(held / sc.workers) * sc.step_ms / 1000.0)
         beat_task.cancel()
-        await stub.Leave(pb.LeaveRequest(node=node, consumed=held), timeout=RPC_TIMEOUT)
+        if isinstance(stream, _SocketStream):  # as the node: on the session port's stream
+            await session_call("leave", pb.LeaveRequest(node=node, consumed=held), RPC_TIMEOUT)
+        else:
+            await stub.Leave(pb.LeaveRequest(node=node, consumed=held), timeout=RPC_TIMEOUT)
         out["left"] = True
     except grpc.aio.AioRpcError as exc:
         out["errors"].append(f"node {index}: {exc.code().name}: {exc.details()}")

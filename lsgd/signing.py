@@ -53,7 +53,7 @@ _MAC_LABEL = b"lsgd-call-v1"
 _SESSION_LABEL = b"lsgd-session-v1"
 SESSION_METHOD = "/lsgd.v1.GlobalServer/Session"
 # SessionRequest's call fields
-ACQUIRE_FIELD, REPORT_FIELD, DIGEST_FIELD, PULL_FIELD, PUSH_FIELD = 4, 5, 7, 8, 9
+ACQUIRE_FIELD, REPORT_FIELD, DIGEST_FIELD, PULL_FIELD, PUSH_FIELD, LEAVE_FIELD = 4, 5, 7, 8, 9, 10
 
 
 def derive_key(secret: str) -> bytes:
@@ -169,7 +169,7 @@ class Verifier:
         carries the MAC of its number and call; else why the stream is refused."""
         calls = ((ACQUIRE_FIELD, request.acquire), (REPORT_FIELD, request.report),  # type: ignore[attr-defined]
                  (DIGEST_FIELD, request.digest), (PULL_FIELD, request.pull),  # type: ignore[attr-defined]
-                 (PUSH_FIELD, request.push))  # type: ignore[attr-defined]
+                 (PUSH_FIELD, request.push), (LEAVE_FIELD, request.leave))  # type: ignore[attr-defined]
         field, body = next(((f, b) for f, b in calls if b), (REPORT_FIELD, b""))
         mac = session_mac(self._key, nonce, request.n, field, body)  # type: ignore[attr-defined]
         if not hmac.compare_digest(mac, request.mac):  # type: ignore[attr-defined]

@@ -65,7 +65,8 @@ CALLS = {"acquire": ("AcquireCredits", pb.AcquireCreditsRequest),
          "report": ("ReportRound", pb.ReportRoundRequest),
          "digest": ("Digest", pb.DigestRequest),
          "pull": ("PullParams", pb.PullParamsRequest),
-         "push": ("PushParams", pb.SessionUpload)}
+         "push": ("PushParams", pb.SessionUpload),
+         "leave": ("Leave", pb.LeaveRequest)}
 # A call whose servicer method is not its unary form's (a small vector moves whole).
 HANDLERS = {"pull": "SessionPull", "push": "SessionPush"}
 

@@ -136,6 +136,8 @@ class SessionCalls:
                 elif field_ == "push":  # a leader that may wait for its digest (PLANE=chain)
                     answer = await self._loop.run_in_executor(self._pool, self.s.SessionPush,
                                                               call, ctx)
+                elif field_ == "leave":  # never waits: on the loop
+                    answer = self.s.Leave(call, ctx)
                 elif field_ == "acquire":
                     answer = await self._poll(CreditPoll(self.s, call))
                 else:

@@ -371,10 +371,18 @@ class GlobalClient:
 
     def leave(self, consumed: int, late: int, stop_job: str = "",
               timeout: float = RPC_TIMEOUT) -> int:
-        """Leave the job; ``stop_job`` (node 0 only): stop the whole job, for this reason."""
-        return self._stub.Leave(pb.LeaveRequest(node=self._node(), consumed=consumed,
-                                                late_consumed=late, stop_job=stop_job),
-                                timeout=timeout, metadata=self._md).counter
+        """Leave the job; ``stop_job`` (node 0 only): stop the whole job, for this reason. On
+        the server's session port, a message of the session's stream (when no other call holds
+        it): at the end of a job of hundreds of nodes, a unary call each costs the server a
+        thread hand-off while it still serves the last rounds of the others."""
+        req = pb.LeaveRequest(node=self._node(), consumed=consumed, late_consumed=late,
+                              stop_job=stop_job)
+        if self._session_port and self._call_lock.acquire(blocking=False):
+            try:
+                return self._on_stream("leave", req, timeout).counter
+            finally:
+                self._call_lock.release()
+        return self._stub.Leave(req, timeout=timeout, metadata=self._md).counter
 
     # ------------------------------------------------------------------ parameters
     def push(self, buffer: str, vec: np.ndarray, round_id: int, summands: int = 0,

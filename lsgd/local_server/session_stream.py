@@ -22,11 +22,11 @@ from typing import Iterator
 import grpc
 
 from ..proto import lsgd_pb2 as pb
-from ..signing import (ACQUIRE_FIELD, DIGEST_FIELD, PULL_FIELD, PUSH_FIELD, REPORT_FIELD,
-                       session_mac)
+from ..signing import (ACQUIRE_FIELD, DIGEST_FIELD, LEAVE_FIELD, PULL_FIELD, PUSH_FIELD,
+                       REPORT_FIELD, session_mac)
 
 FIELDS = {"acquire": ACQUIRE_FIELD, "report": REPORT_FIELD, "digest": DIGEST_FIELD,
-          "pull": PULL_FIELD, "push": PUSH_FIELD}
+          "pull": PULL_FIELD, "push": PUSH_FIELD, "leave": LEAVE_FIELD}
 CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 

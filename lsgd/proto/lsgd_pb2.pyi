@@ -445,7 +445,7 @@ class LeaveResponse(_message.Message):
     def __init__(self, counter: _Optional[int] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("n", "node", "nonce", "acquire", "report", "mac", "digest", "pull", "push")
+    __slots__ = ("n", "node", "nonce", "acquire", "report", "mac", "digest", "pull", "push", "leave")
     N_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +455,7 @@ class SessionRequest(_message.Message):
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     n: int
     node: NodeId
     nonce: bytes
@@ -464,7 +465,8 @@ class SessionRequest(_message.Message):
     digest: bytes
     pull: bytes
     push: bytes
-    def __init__(self, n: _Optional[int] = ..., node: _Optional[_Union[NodeId, _Mapping]] = ..., nonce: _Optional[bytes] = ..., acquire: _Optional[bytes] = ..., report: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., pull: _Optional[bytes] = ..., push: _Optional[bytes] = ...) -> None: ...
+    leave: bytes
+    def __init__(self, n: _Optional[int] = ..., node: _Optional[_Union[NodeId, _Mapping]] = ..., nonce: _Optional[bytes] = ..., acquire: _Optional[bytes] = ..., report: _Optional[bytes] = ..., mac: _Optional[bytes] = ..., digest: _Optional[bytes] = ..., pull: _Optional[bytes] = ..., push: _Optional[bytes] = ..., leave: _Optional[bytes] = ...) -> None: ...
 
 class SessionUpload(_message.Message):
     __slots__ = ("header", "data")
@@ -475,7 +477,7 @@ class SessionUpload(_message.Message):
     def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class SessionReply(_message.Message):
-    __slots__ = ("n", "acquire", "report", "code", "details", "digest", "pull", "push")
+    __slots__ = ("n", "acquire", "report", "code", "details", "digest", "pull", "push", "leave")
     N_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     REPORT_FIELD_NUMBER: _ClassVar[int]
@@ -484,6 +486,7 @@ class SessionReply(_message.Message):
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     PULL_FIELD_NUMBER: _ClassVar[int]
     PUSH_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     n: int
     acquire: AcquireCreditsResponse
     report: ReportRoundResponse
@@ -492,4 +495,5 @@ class SessionReply(_message.Message):
     digest: DigestResponse
     pull: ParamChunk
     push: PushParamsResponse
-    def __init__(self, n: _Optional[int] = ..., acquire: _Optional[_Union[AcquireCreditsResponse, _Mapping]] = ..., report: _Optional[_Union[ReportRoundResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., digest: _Optional[_Union[DigestResponse, _Mapping]] = ..., pull: _Optional[_Union[ParamChunk, _Mapping]] = ..., push: _Optional[_Union[PushParamsResponse, _Mapping]] = ...) -> None: ...
+    leave: LeaveResponse
+    def __init__(self, n: _Optional[int] = ..., acquire: _Optional[_Union[AcquireCreditsResponse, _Mapping]] = ..., report: _Optional[_Union[ReportRoundResponse, _Mapping]] = ..., code: _Optional[int] = ..., details: _Optional[str] = ..., digest: _Optional[_Union[DigestResponse, _Mapping]] = ..., pull: _Optional[_Union[ParamChunk, _Mapping]] = ..., push: _Optional[_Union[PushParamsResponse, _Mapping]] = ..., leave: _Optional[_Union[LeaveResponse, _Mapping]] = ...) -> None: ...
