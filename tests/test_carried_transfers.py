@@ -317,3 +317,46 @@ def test_a_carried_sum_in_a_format_the_server_cannot_read_leaves_the_report_alon
             c.close()
     finally:
         served.srv.stop(grace=0.5).wait(5)
+
+
+def test_at_a_round_close_answers_that_carry_the_leader_wait_for_it_not_for_the_round():
+    """The nodes whose answers carry the leader have nothing to do before it is in: the
+    round's close wakes the leader's node (and nodes carrying nothing), and the store's news
+    of the leader wakes the rest, so that the loop reads the leader's upload first."""
+    import asyncio
+
+    from lsgd.global_server.admission import Limits
+    from lsgd.global_server.aio_session import SessionServer
+    from lsgd.global_server.session_calls import PARAMS, ROUNDS
+
+    servicer = build_servicer(JobConfig(num_groups=4, workers=1, job_id="job", algorithm="lsgd"))
+    servicer.params.set_param_count(N)
+    servicer.params.begin(3, RoundKind.GLOBAL, 2, {0: 1, 1: 1, 2: 1, 3: 1}, 5.0)
+    assert servicer.params.leader_pending() == 3
+    sessions = SessionServer(servicer, Limits.for_job(4, 5.0))
+    heard: list[tuple[int, str]] = []
+
+    async def main() -> None:
+        sessions._loop = asyncio.get_running_loop()
+        news = {"round": None}
+
+        async def barrier(node: int, carries: int) -> None:
+            await sessions._wait(ROUNDS, 5.0, node, carries)
+            heard.append((node, news["round"]))
+
+        tasks = [asyncio.create_task(barrier(n, c)) for n, c in ((0, 3), (1, 0), (2, 3), (3, 3))]
+        await asyncio.sleep(0.01)
+        news["round"] = "round closed"
+        sessions._fire((ROUNDS,))
+        await asyncio.sleep(0.05)
+        assert sorted(heard) == [(1, "round closed"), (2, "round closed")]
+        news["round"] = "leader in"
+        sessions._fire((PARAMS,))
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+
+    asyncio.run(main())
+    assert sorted(heard) == [(0, "leader in"), (1, "round closed"), (2, "round closed"),
+                             (3, "leader in")]
+    leader = np.ones(N, np.float32).tobytes()
+    servicer.params.push(2, 3, "global_leader", N, 0, iter(((0, leader),)))
+    assert servicer.params.leader_pending() == 0  # in: nothing to wait for

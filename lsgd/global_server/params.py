@@ -193,6 +193,17 @@ class ParamStore(DeltaMixin, SavedParams):
         ex = self.exchange
         return ex is None or ex.round_id != round_id or ex.leader_route
 
+    def leader_pending(self) -> int:
+        """The round whose leader the other nodes' downloads still wait for (0: none): the
+        newest exchange expects it from a node (not down a route) and does not hold it yet.
+        Read without the lock, as ``uploaders``: the state moves before its news is sent, so
+        a reader that sees it pending hears of its arrival."""
+        ex = self.exchange
+        if (ex is None or ex.settled or ex.leader_ok or ex.leader_route
+                or not self._leader_uploaders):
+            return 0
+        return ex.round_id
+
     def uploaders(self) -> frozenset[int]:
         """The nodes the newest exchange expects the leader from (the other nodes' downloads
         wait for it). Read without the lock (the session server's loop asks at every round

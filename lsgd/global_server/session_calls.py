@@ -58,7 +58,8 @@ class SessionCalls:
         self._loop: asyncio.AbstractEventLoop | None = None
         # digests and leader uploads: rare, and they may wait or hash a vector
         self._pool = futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="lsgd-session")
-        # futures waiting for news -> their node (-1: none), by CREDITS, ROUNDS, PARAMS
+        # futures waiting for news -> (their node or -1, the round whose leader their answer
+        # carries or 0), by CREDITS, ROUNDS, PARAMS
         self._waiters: tuple[dict, dict, dict] = ({}, {}, {})
 
     def listen(self) -> None:
@@ -95,27 +96,36 @@ class SessionCalls:
             self._waiters[kind].clear()
             if kind == ROUNDS and len(waiters) > 1:
                 # A round closed: the nodes whose uploads the others' downloads wait for (the
-                # leader's) hear first, so that their upload overlaps the other answers.
+                # leader's) hear first, so that their upload overlaps the other answers. A
+                # node whose answer will carry that leader (then_pull) has nothing to do
+                # before it is in: it waits for the store's news instead, so that the loop
+                # reads the leader's upload first, not after N wake-ups.
                 first = self.s.params.uploaders()
-                waiters.sort(key=lambda wn: wn[1] not in first)
+                waiters.sort(key=lambda wn: wn[1][0] not in first)
+                pending = self.s.params.leader_pending()
+                if pending:
+                    later = {w: v for w, v in waiters if v[1] == pending and v[0] not in first}
+                    self._waiters[PARAMS].update(later)
+                    waiters = [(w, v) for w, v in waiters if w not in later]
             for w, _ in waiters:
                 if not w.done():
                     w.set_result(True)
 
-    async def _wait(self, kind: int, timeout: float, node: int = -1) -> bool:
+    async def _wait(self, kind: int, timeout: float, node: int = -1, carries: int = 0) -> bool:
         """Wait up to ``timeout`` seconds for news of ``kind`` (registered before the news
         that came during the caller's step is fired: call it right after the step), for
-        ``node``'s call. False when none came."""
+        ``node``'s call (``carries``: the round whose leader its answer carries, 0: none).
+        False when none came."""
         loop = self._loop
         w = loop.create_future()
-        waiters = self._waiters[kind]
-        waiters[w] = node
+        self._waiters[kind][w] = (node, carries)
         timer = loop.call_later(timeout, lambda: w.done() or w.set_result(False))
         try:
             return await w
         finally:
             timer.cancel()
-            waiters.pop(w, None)
+            for waiters in self._waiters:  # (_fire may have moved it)
+                waiters.pop(w, None)
             if not w.done():
                 w.cancel()
 
@@ -163,8 +173,10 @@ class SessionCalls:
                 wait = poll.wait()
             if answer is not None:
                 return answer
+            req = poll.request
             timed_out = not await self._wait(ROUNDS if poll.news_only else CREDITS, wait,
-                                             poll.request.node.node_index)
+                                             req.node.node_index,
+                                             getattr(req, "then_pull", 0) and req.round_id)
 
     async def _pull(self, call: pb.PullParamsRequest, ctx: _LoopContext) -> pb.ParamChunk:
         """A small download: checked, then read whole on the loop as soon as it is ready (the
