@@ -75,3 +75,37 @@ def test_a_leave_message_needs_the_mac_of_its_own_field(server):
     reply = _one_signed(server, a._node(), "leave", body, LEAVE_FIELD)
     assert reply.code == 0 and servicer.coord.nodes[0].left
     a.close(), b.close()
+
+
+@pytest.mark.parametrize("transport", ["aio"], indirect=True)
+def test_a_call_cut_by_ctrl_c_leaves_no_reply_for_the_leave_after_it(server, monkeypatch):
+    """Ctrl-C raises KeyboardInterrupt in the node loop's call, here a report waiting in its
+    round's barrier; node 0 then leaves to stop the job. The cut call's stream is closed, so
+    the Leave goes on a new one at once (on the old one it would queue behind the barrier,
+    and then read the report's answer as its own)."""
+    from lsgd.local_server.session_socket import SocketSession
+    from tests.test_carried_transfers import _to_round
+
+    servicer, addr, security = server
+    a, b = _joined(addr, security, 0), _joined(addr, security, 1)
+    rid = {}
+    ts = [threading.Thread(target=lambda c=c: rid.setdefault(c.node_index, _to_round(c)))
+          for c in (a, b)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(20)
+    real = SocketSession._read
+
+    def cut(self, size, deadline):  # noqa: ANN001, ANN202
+        monkeypatch.setattr(SocketSession, "_read", real)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(SocketSession, "_read", cut)
+    with pytest.raises(KeyboardInterrupt):  # sent: node 0 waits in the barrier (node 1 has
+        a.report_round(rid[0], None, 2)  # not reported), its answer never read
+    t0 = time.monotonic()
+    a.leave(consumed=0, late=0, stop_job="interrupted (test)")
+    assert time.monotonic() - t0 < 1.0  # not after the round's time-out (1.5 s)
+    assert servicer.coord.stopped is not None and servicer.coord.nodes[0].left
+    a.close(), b.close()

@@ -169,6 +169,9 @@ class SocketSession:
         except Exception as exc:  # noqa: BLE001 - a reply that does not parse
             self.close()
             raise CallError(grpc.StatusCode.INTERNAL, f"a bad session reply: {exc}") from None
+        except BaseException:  # e.g. Ctrl-C mid-call: its reply would answer the next call
+            self.close()
+            raise
         self.answered = True
         if reply.n == 0 and reply.code:  # the server ended the stream with this status
             self.close()
