@@ -130,6 +130,7 @@ def test_the_answer_carries_the_leader_and_the_next_pull_takes_it(served):
         carried = served.servicer.calls.counts.get("PullParams", 0) == pulls
         assert carried == aio  # on the session port no call was made for it
         assert (at[i] >= at["up"]) == aio  # its answer waited for the upload
+        assert not aio or at[i] - at["up"] < 0.5  # and came with the store's news of it
     for c in nodes:
         c.close()
 
@@ -139,10 +140,9 @@ def test_a_leader_that_never_comes_is_the_downloads_refusal_in_the_answer(served
     """The leader's node does not upload: the others' answers come when the round's exchange
     gives up on it (the round time-out) with the download's refusal, which their pull raises
     at once."""
-    t0 = time.monotonic()
     nodes, answers, at, v, r = _round(served, upload=False)
-    for i in (0, 2):
-        assert answers[i].leader_node == 1 and 1.9 < at[i] - t0 < 10
+    for i in (0, 2):  # the leader's node is answered at the close; the others 2 s later
+        assert answers[i].leader_node == 1 and 1.5 < at[i] - at[1] < 10
         sent: list[str] = []
         nodes[i]._on_stream = lambda field, req, timeout: sent.append(field)
         nodes[i].transfers.pull = lambda *a, **k: sent.append("PullParams")

@@ -120,6 +120,23 @@ def test_global_round_barrier_elects_lowest_loss_and_closes_on_all_reports():
     assert c.outcome(0, rnd.id).leader == Candidate(2, 0.3)
 
 
+def test_a_rounds_outcome_stays_its_own_after_a_newer_round_opened():
+    """A node that reported in time may hear the answer late (on the session port its answer
+    waits for the leader's upload): meanwhile the time budget ran out and the final round
+    opened. Its answer is still the round's, not "missed"; a report that came too late is."""
+    c = make(l_comm=4, g_comm=4, seconds=100.0)
+    s = join_all(c, 2)
+    rnd, _ = drain(c, s, [0, 1])
+    c.report(0, s[0], rnd.id, Candidate(0, 0.5), 2, now=1)
+    c.report(1, s[1], rnd.id, Candidate(2, 0.3), 2, now=1)
+    c.tick(now=200.0)  # the budget is over: the final round opens
+    assert c.round.id > rnd.id and c.round.kind == RoundKind.FINAL
+    for i in (0, 1):
+        out = c.outcome(i, rnd.id)
+        assert out.ready and not out.missed and out.leader == Candidate(2, 0.3)
+    assert c.outcome(0, c.round.id - 5).missed  # a round it never reported
+
+
 def test_round_closes_at_deadline_without_a_stuck_node_and_late_report_is_missed():
     c = make(l_comm=4, g_comm=4, round_timeout=10)
     s = join_all(c, 2)

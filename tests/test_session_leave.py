@@ -81,8 +81,8 @@ def test_a_leave_message_needs_the_mac_of_its_own_field(server):
 def test_a_call_cut_by_ctrl_c_leaves_no_reply_for_the_leave_after_it(server, monkeypatch):
     """Ctrl-C raises KeyboardInterrupt in the node loop's call, here a report waiting in its
     round's barrier; node 0 then leaves to stop the job. The cut call's stream is closed, so
-    the Leave goes on a new one at once (on the old one it would queue behind the barrier,
-    and then read the report's answer as its own)."""
+    the Leave does not go there (it would queue behind the barrier, and then read the
+    report's answer as its own): it is the unary call, at once."""
     from lsgd.local_server.session_socket import SocketSession
     from tests.test_carried_transfers import _to_round
 
@@ -102,10 +102,12 @@ def test_a_call_cut_by_ctrl_c_leaves_no_reply_for_the_leave_after_it(server, mon
         raise KeyboardInterrupt
 
     monkeypatch.setattr(SocketSession, "_read", cut)
+    assert not servicer.coord.round.closed
     with pytest.raises(KeyboardInterrupt):  # sent: node 0 waits in the barrier (node 1 has
         a.report_round(rid[0], None, 2)  # not reported), its answer never read
     t0 = time.monotonic()
     a.leave(consumed=0, late=0, stop_job="interrupted (test)")
     assert time.monotonic() - t0 < 1.0  # not after the round's time-out (1.5 s)
     assert servicer.coord.stopped is not None and servicer.coord.nodes[0].left
+    assert 0 in servicer.coord.round.reports  # the cut report had reached the barrier
     a.close(), b.close()

@@ -38,6 +38,7 @@ from .stopping import JobStop
 log = logging.getLogger(__name__)
 
 DROP_SCAN = 0.05  # seconds between two of tick's passes looking for silent nodes
+EARLIER_KEPT = 4  # rounds before the newest whose outcome a late-woken barrier may still ask
 
 __all__ = ["Coordinator", "CoordinatorError", "Grant", "NodeState", "RoundOutcome", "RoundState",
            "Schedule"]
@@ -66,6 +67,10 @@ class Coordinator(Membership, JobStop):
         self.period_start = 0
         self.target, self.target_kind = schedule.next_event(0)
         self.round: RoundState | None = None  # newest round
+        # The rounds before it, by id (a few): a node that reported one in time still gets its
+        # outcome once a newer round opened (the session port answers a node whose answer
+        # carries the leader only once the leader is in).
+        self.earlier: dict[int, RoundState] = {}
         self.rounds_opened = 0
         self.eval_every = eval_every
         self.next_eval = eval_every  # counter value from which the next global round evaluates
@@ -300,6 +305,10 @@ class Coordinator(Membership, JobStop):
             self.stop_reason = "iteration budget reached"
         self.rounds_opened += 1
         live = self.live_nodes
+        if self.round is not None:
+            self.earlier[self.round.id] = self.round
+            for old in [i for i in self.earlier if i <= self.round.id - EARLIER_KEPT]:
+                del self.earlier[old]
         self.round = RoundState(self.rounds_opened, self.target_kind, self.target, now,
                                 expected={n.index for n in live})
         self._take_speeds(live)
@@ -389,9 +398,14 @@ class Coordinator(Membership, JobStop):
         return self.outcome(index, round_id)
 
     def outcome(self, index: int, round_id: int) -> RoundOutcome:
-        """The result of a global/final round once it has closed."""
+        """The result of a global/final round once it has closed (also after a newer round
+        opened: a node that reported this one in time was not late)."""
         rnd = self.round
-        if rnd is None or rnd.id != round_id or index not in rnd.reports:
+        if rnd is not None and rnd.id != round_id:
+            rnd = self.earlier.get(round_id)
+            if rnd is not None and not rnd.closed:  # replaced open: it never will close
+                rnd = None
+        if rnd is None or index not in rnd.reports:
             return RoundOutcome(ready=True, missed=True)
         if not rnd.closed:
             return RoundOutcome(ready=False)
@@ -439,6 +453,7 @@ class Coordinator(Membership, JobStop):
         if self.deadline is not None:
             self.deadline = self.started_at + (self.deadline - now)
         self.round = None
+        self.earlier = {}
         if not membership:
             self.started = False  # it starts again once the nodes have joined
             return

@@ -372,12 +372,16 @@ class GlobalClient:
     def leave(self, consumed: int, late: int, stop_job: str = "",
               timeout: float = RPC_TIMEOUT) -> int:
         """Leave the job; ``stop_job`` (node 0 only): stop the whole job, for this reason. On
-        the server's session port, a message of the session's stream (when no other call holds
-        it): at the end of a job of hundreds of nodes, a unary call each costs the server a
-        thread hand-off while it still serves the last rounds of the others."""
+        the server's session port, a message of the session's open stream (when no other call
+        holds it): at the end of a job of hundreds of nodes, a unary call each costs the server
+        a thread hand-off while it still serves the last rounds of the others. No stream is
+        opened for it: where the stream broke or the server ended it (a stop, Ctrl-C), the
+        unary call fails or succeeds at once, as before."""
         req = pb.LeaveRequest(node=self._node(), consumed=consumed, late_consumed=late,
                               stop_job=stop_job)
-        if self._session_port and self._call_lock.acquire(blocking=False):
+        s = self._stream
+        if (self._session_port and s is not None and s.node.session == self.session
+                and not s.ended and self._call_lock.acquire(blocking=False)):
             try:
                 return self._on_stream("leave", req, timeout).counter
             finally:
