@@ -341,8 +341,7 @@ class ParamStore(DeltaMixin, SavedParams):
                     raise ParamError("INVALID_ARGUMENT", f"summands must be in 1..{most} (node "
                                      f"{node}'s participants in round {round_id}), got {summands}")
                 weight = weight or float(summands)  # 0: unweighted
-                if buffer == SUM and not (summands * MIN_WEIGHT * (1 - 1e-9) <= weight
-                                          <= summands * MAX_WEIGHT * (1 + 1e-9)):
+                if buffer == SUM and not sum_weight_ok(summands, weight):
                     raise ParamError("INVALID_ARGUMENT", f"the weight of {summands} summands must "
                                      f"be in [{summands * MIN_WEIGHT:g}, "
                                      f"{summands * MAX_WEIGHT:g}], got {weight}")
@@ -514,6 +513,12 @@ class ParamStore(DeltaMixin, SavedParams):
             # center must not pull toward the old one (its node leaves those pulls out)
             return f"!round {round_id} has no new center ({'; '.join(ex.failed) or 'no sums'})"
         return None
+
+
+def sum_weight_ok(summands: int, weight: float) -> bool:
+    """Whether ``weight`` can be the total weight of a sum of ``summands`` participants (each
+    of weight in [MIN_WEIGHT, MAX_WEIGHT]; NaN is not)."""
+    return summands * MIN_WEIGHT * (1 - 1e-9) <= weight <= summands * MAX_WEIGHT * (1 + 1e-9)
 
 
 def _wire_dtype(wire: str) -> np.dtype:

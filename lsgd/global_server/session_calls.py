@@ -22,7 +22,7 @@ import grpc
 from ..proto import lsgd_pb2 as pb
 from ..rules.base import MAX_WEIGHT, MIN_WEIGHT
 from .coordinator import CoordinatorError
-from .params import ParamError
+from .params import ParamError, sum_weight_ok
 from .polls import CreditPoll, RoundBarrier
 from .session import CallContext, Refused, method_of, parse_call
 from .transfers import WIRES
@@ -34,6 +34,13 @@ DIGEST_POLL = 0.05  # seconds between looks while a digest question waits
 PULL_TICK = 0.2  # seconds a download waits for the store's news before it looks again
 CREDITS, ROUNDS, PARAMS = 0, 1, 2  # what a waiter waits for news of
 THEN_PULL = (pb.BUFFER_KIND_UNSPECIFIED, pb.BUFFER_KIND_GLOBAL_LEADER)  # a report's then_pull
+
+
+def _status(exc: CoordinatorError | ParamError | Refused) -> tuple[int, str]:
+    """The gRPC status code (its number) and details of a refused call."""
+    if isinstance(exc, Refused):
+        return exc.code.value[0], exc.details
+    return getattr(grpc.StatusCode, exc.code).value[0], str(exc)
 
 
 class _LoopContext(CallContext):
@@ -210,9 +217,8 @@ class SessionCalls:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "then_push carries only this node's "
                           "sum (BUFFER_KIND_NODE_SUM) of the round it reports, in a known wire "
                           "format")
-        if not 1 <= h.summands <= call.participants or (h.weight and not (
-                h.summands * MIN_WEIGHT * (1 - 1e-9) <= h.weight
-                <= h.summands * MAX_WEIGHT * (1 + 1e-9))):
+        if not 1 <= h.summands <= call.participants or not sum_weight_ok(
+                h.summands, h.weight or float(h.summands)):
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"then_push sums {h.summands} of the "
                           f"report's {call.participants} participants, weight {h.weight}: at "
                           f"least 1, at most the participants, each of weight in "
@@ -235,11 +241,8 @@ class SessionCalls:
             upload, finite = carried
             self.s.take_small_upload(upload, ctx, finite)
             answer.pushed = True
-        except (CoordinatorError, ParamError) as exc:
-            answer.push_code = getattr(grpc.StatusCode, exc.code).value[0]
-            answer.push_details = str(exc)
-        except Refused as r:
-            answer.push_code, answer.push_details = r.code.value[0], r.details
+        except (CoordinatorError, ParamError, Refused) as exc:
+            answer.push_code, answer.push_details = _status(exc)
 
     async def _then_pull(self, call: pb.ReportRoundRequest, answer: pb.ReportRoundResponse,
                          ctx: _LoopContext) -> None:
@@ -254,11 +257,8 @@ class SessionCalls:
                                    wire_format=call.then_pull_wire)
         try:
             answer.download.CopyFrom(await self._pull(req, ctx))
-        except (CoordinatorError, ParamError) as exc:
-            answer.download_code = getattr(grpc.StatusCode, exc.code).value[0]
-            answer.download_details = str(exc)
-        except Refused as r:
-            answer.download_code, answer.download_details = r.code.value[0], r.details
+        except (CoordinatorError, ParamError, Refused) as exc:
+            answer.download_code, answer.download_details = _status(exc)
 
     async def _digest(self, call: pb.DigestRequest, ctx: _LoopContext) -> pb.DigestResponse:
         """A ``Digest`` call: its checks on the loop; its answer looked at every

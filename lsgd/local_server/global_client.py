@@ -444,9 +444,7 @@ class GlobalClient:
                 or data != self.transfers.encode(vec, wire)):
             return False
         self._carried_push = None
-        resp = carried[2]
-        if resp.push_code:
-            raise CallError(CODES.get(resp.push_code, grpc.StatusCode.UNKNOWN), resp.push_details)
+        _raise_refusal(carried[2].push_code, carried[2].push_details)
         return True
 
     def _take_carried(self, buffer: str, round_id: int, wire: str) -> pb.ParamChunk | None:
@@ -457,9 +455,7 @@ class GlobalClient:
             return None
         self._carried = None
         resp = carried[3]
-        if resp.download_code:
-            raise CallError(CODES.get(resp.download_code, grpc.StatusCode.UNKNOWN),
-                            resp.download_details)
+        _raise_refusal(resp.download_code, resp.download_details)
         return resp.download
 
     def _whole(self, field: str, request: Callable[[], object]):  # noqa: ANN202
@@ -481,3 +477,10 @@ class GlobalClient:
         """Delivery ``number`` of this node's mail into ``out``; returns its weight (0: no
         mail, ``out`` untouched)."""
         return self.transfers.pull_mail(self._node(), number, out)
+
+
+def _raise_refusal(code: int, details: str) -> None:
+    """A carried transfer's refusal (a gRPC status code, 0: none) raised as its call's would
+    have been."""
+    if code:
+        raise CallError(CODES.get(code, grpc.StatusCode.UNKNOWN), details)
