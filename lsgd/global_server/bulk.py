@@ -242,7 +242,7 @@ class _Handler:
                 return None
             request = pb.PullParamsRequest.FromString(req.body)
             self._admit(request.node)
-            count, item, chunks = s.give_download(request, req.chunk, self.context)
+            count, item, chunks = s.give_download(request, req.chunk, self.context, views=True)
             if not count:
                 raise bulk.BulkStatus(grpc.StatusCode.FAILED_PRECONDITION.value[0],
                                       "the job's model size is not known yet (node 0 has not "
