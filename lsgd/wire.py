@@ -27,6 +27,19 @@ GRPC_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
+def varint(v: int) -> bytes:
+    """Protobuf base-128 varint (``v`` >= 0): for messages encoded around a large bytes
+    field that is not copied through protobuf."""
+    if v < 0x80:
+        return bytes((v,))
+    out = bytearray()
+    while v >= 0x80:
+        out.append((v & 0x7F) | 0x80)
+        v >>= 7
+    out.append(v)
+    return bytes(out)
+
+
 def wire_dtype(wire: str) -> np.dtype:
     """The numpy dtype of a wire format's chunk elements (little-endian).
 

@@ -364,3 +364,20 @@ def test_at_a_round_close_answers_that_carry_the_leader_wait_for_it_not_for_the_
     leader = np.ones(N, np.float32).tobytes()
     servicer.params.push(2, 3, "global_leader", N, 0, iter(((0, leader),)))
     assert servicer.params.leader_pending() == 0  # in: nothing to wait for
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 16384, 300_000])
+def test_an_answer_encoded_around_the_leader_parses_as_protobuf_encodes_it(size):
+    """The answer that carries the leader is encoded by hand around the leader's bytes (shared
+    by every node's answer, not copied through protobuf): it must read back as the message
+    protobuf would have made, whatever the sizes of its parts."""
+    from lsgd.global_server.session_calls import _with_download
+
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    answer = pb.ReportRoundResponse(has_leader=True, leader_node=3, participants=17,
+                                    node_count=512, evaluate=True)
+    answer.leader.worker_id, answer.leader.loss = 24, 0.25
+    want = pb.SessionReply(n=300, report=answer)
+    want.report.download.data = data
+    got = pb.SessionReply.FromString(b"".join(_with_download(300, answer, data)))
+    assert got == want and got.report.download.data == data

@@ -7,6 +7,7 @@ uploads may wait); each is refused when too large, and its MAC covers its own ca
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import threading
 import time
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from lsgd.config import JobConfig
+from lsgd.global_server.buffers import ParamError
 from lsgd.global_server.server import build_servicer, create_server
 from lsgd.local_server.global_client import GlobalClient
 from lsgd.proto import lsgd_pb2 as pb
@@ -352,3 +354,29 @@ def test_only_news_for_a_download_wakes_the_downloads():
     assert len(heard) == 2
     store.push(2, 3, "sum", N, 1, [(0, np.ones(N, np.float32).tobytes())])
     assert store.exchange.settled and len(heard) >= 3
+
+
+def test_a_rounds_leader_is_encoded_once_for_every_download_and_never_outlives_it():
+    """Every node's small download of a round's leader gets the same bytes, read once (at 512
+    nodes, 511 downloads of each leader); the next round's leader, the other wire format and a
+    download outside a round are each read on their own."""
+    from lsgd.global_server.params import ParamStore
+
+    store = ParamStore(JobConfig(algorithm="lsgd").make_rule())
+    store.set_param_count(N)
+    first, second = _vector(), _vector() * 2
+    store.begin(3, RoundKind.GLOBAL, 0, {0: 1, 1: 1, 2: 1}, 5.0)
+    store.push(0, 3, "global_leader", N, 0, [(0, first.tobytes())])
+    a = store.pull_whole(3, "global_leader", 1.0)
+    b = store.pull_whole(3, "global_leader", 1.0)
+    assert a is b and a == first.tobytes()
+    assert store.pull_whole(0, "global_leader", 1.0) == first.tobytes()  # the newest, read anew
+    if importlib.util.find_spec("ml_dtypes") is not None:
+        half = store.pull_whole(3, "global_leader", 1.0, wire="bfloat16")
+        assert len(half) == N * 2 and store.pull_whole(3, "global_leader", 1.0) is a
+    store.begin(4, RoundKind.GLOBAL, 0, {0: 1, 1: 1, 2: 1}, 5.0)
+    with pytest.raises(ParamError, match="round 3 is over"):
+        store.pull_whole(3, "global_leader", 0.0)
+    store.push(0, 4, "global_leader", N, 0, [(0, second.tobytes())])
+    c = store.pull_whole(4, "global_leader", 1.0)
+    assert c == second.tobytes() and c is not a

@@ -116,9 +116,12 @@ class _Conn(asyncio.Protocol):
             self.frames.get_nowait()
         self.frames.put_nowait(None)
 
-    def send(self, reply: pb.SessionReply) -> None:
+    def send(self, reply: "pb.SessionReply | list[bytes]") -> None:
+        """A reply: a message, or the parts of one encoded already (framed with one copy)."""
         if not self.over and self.transport is not None:
-            self.transport.write(sw.frame(reply.SerializeToString()))
+            parts = [reply.SerializeToString()] if isinstance(reply, pb.SessionReply) else reply
+            size = sum(len(p) for p in parts)
+            self.transport.write(b"".join([size.to_bytes(sw.LENGTH, "big"), *parts]))
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
         """End the stream: its status (counted as a failed ``Session`` call), then close (a

@@ -21,6 +21,7 @@ import grpc
 
 from ..proto import lsgd_pb2 as pb
 from ..rules.base import MAX_WEIGHT, MIN_WEIGHT
+from ..wire import varint
 from .coordinator import CoordinatorError
 from .params import ParamError, sum_weight_ok
 from .polls import CreditPoll, RoundBarrier
@@ -41,6 +42,27 @@ def _status(exc: CoordinatorError | ParamError | Refused) -> tuple[int, str]:
     if isinstance(exc, Refused):
         return exc.code.value[0], exc.details
     return getattr(grpc.StatusCode, exc.code).value[0], str(exc)
+
+
+_REPORT = pb.SessionReply.DESCRIPTOR.fields_by_name["report"].number
+_DOWNLOAD = pb.ReportRoundResponse.DESCRIPTOR.fields_by_name["download"].number
+_DATA = pb.ParamChunk.DESCRIPTOR.fields_by_name["data"].number
+
+
+def _field(number: int, length: int) -> bytes:
+    """The key and length of a length-delimited field."""
+    return varint(number << 3 | 2) + varint(length)
+
+
+def _with_download(n: int, answer: pb.ReportRoundResponse, data: bytes) -> list[bytes]:
+    """``SessionReply(n, report=answer)`` with ``answer.download = ParamChunk(offset=0,
+    data=data)``, as the parts of its encoding: ``data`` (a round's leader, the same object in
+    every node's answer) is not copied through protobuf, only once into the frame."""
+    chunk = _field(_DATA, len(data))  # offset 0: the default, not written
+    report = answer.SerializeToString() + _field(_DOWNLOAD, len(chunk) + len(data)) + chunk
+    head = (pb.SessionReply(n=n).SerializeToString()
+            + _field(_REPORT, len(report) + len(data)) + report)
+    return [head, data]
 
 
 class _LoopContext(CallContext):
@@ -137,7 +159,10 @@ class SessionCalls:
                 w.cancel()
 
     # ------------------------------------------------------------------ calls
-    async def _reply(self, node: pb.NodeId, req: pb.SessionRequest, peer: str) -> pb.SessionReply:
+    async def _reply(self, node: pb.NodeId, req: pb.SessionRequest,
+                     peer: str) -> pb.SessionReply | list[bytes]:
+        """The reply to ``req``: a message, or the parts of one encoded already (a round's
+        answer that carries the leader: ``_with_download``)."""
         method = method_of(req)
         ctx = _LoopContext(peer)
         try:
@@ -146,7 +171,7 @@ class SessionCalls:
                 if field_ == "digest":
                     answer = await self._digest(call, ctx)
                 elif field_ == "pull":
-                    answer = await self._pull(call, ctx)
+                    answer = pb.ParamChunk(offset=0, data=await self._pull(call, ctx))
                 elif field_ == "push" and (call.header.buffer == pb.BUFFER_KIND_NODE_SUM or
                                            not self.s.params.leader_waits(call.header.round_id)):
                     answer = self.s.SessionPush(call, ctx)  # it does not wait: on the loop
@@ -163,7 +188,10 @@ class SessionCalls:
                     if carried is not None:
                         self._then_push(carried, answer, ctx)
                     if call.then_pull:
-                        await self._then_pull(call, answer, ctx)
+                        leader = await self._then_pull(call, answer, ctx)
+                        if leader is not None:  # the answer, encoded around its bytes
+                            self.s.calls.add(method)
+                            return _with_download(req.n, answer, leader)
             except (CoordinatorError, ParamError) as exc:
                 raise Refused(getattr(grpc.StatusCode, exc.code), str(exc)) from None
             self.s.calls.add(method)
@@ -185,16 +213,17 @@ class SessionCalls:
                                              req.node.node_index,
                                              getattr(req, "then_pull", 0) and req.round_id)
 
-    async def _pull(self, call: pb.PullParamsRequest, ctx: _LoopContext) -> pb.ParamChunk:
+    async def _pull(self, call: pb.PullParamsRequest, ctx: _LoopContext) -> bytes:
         """A small download: checked, then read whole on the loop as soon as it is ready (the
         store's news wakes it; ``PULL_TICK`` lets an exchange's deadline pass), holding no
-        thread while it waits; refused when not ready within the round time-out."""
+        thread while it waits; refused when not ready within the round time-out. Its bytes
+        (a round's leader: the same object for every node)."""
         buffer, wire = self.s.small_download_check(call, ctx)
         end = self._loop.time() + self.s.round_timeout
         while True:
             data = self.s.small_download(call, buffer, wire, 0.0)
             if data is not None:
-                return pb.ParamChunk(offset=0, data=data)
+                return data
             left = end - self._loop.time()
             if left <= 0:
                 raise ParamError("DEADLINE_EXCEEDED", f"{buffer} of round {call.round_id} not "
@@ -245,20 +274,23 @@ class SessionCalls:
             answer.push_code, answer.push_details = _status(exc)
 
     async def _then_pull(self, call: pb.ReportRoundRequest, answer: pb.ReportRoundResponse,
-                         ctx: _LoopContext) -> None:
+                         ctx: _LoopContext) -> bytes | None:
         """The round's answer carries the node's download of the leader (``then_pull``), as a
         ``pull`` call after it would have got it (the same checks and wait), or that call's
         refusal: one message less per node and round. Not for the leader's own node, a missed
-        or stopped round, or a round whose leader travels on a route (PLANE=chain)."""
+        or stopped round, or a round whose leader travels on a route (PLANE=chain). Returns
+        the leader's bytes for the answer's ``download`` (None: nothing to carry, or the
+        refusal is in ``answer``)."""
         if (answer.missed or answer.stopped or not answer.has_leader or answer.route.members
                 or answer.leader_node == call.node.node_index):
-            return
+            return None
         req = pb.PullParamsRequest(node=call.node, round_id=call.round_id, buffer=call.then_pull,
                                    wire_format=call.then_pull_wire)
         try:
-            answer.download.CopyFrom(await self._pull(req, ctx))
+            return await self._pull(req, ctx)
         except (CoordinatorError, ParamError, Refused) as exc:
             answer.download_code, answer.download_details = _status(exc)
+            return None
 
     async def _digest(self, call: pb.DigestRequest, ctx: _LoopContext) -> pb.DigestResponse:
         """A ``Digest`` call: its checks on the loop; its answer looked at every

@@ -237,10 +237,8 @@ class TransferRPCs:
         """The whole of a checked small download (``small_download_check``), once it is ready
         within ``timeout`` seconds (0: now, or None when it is not ready yet); ``ParamError``
         when it never will be, or it changed while read."""
-        count = self.params.param_count or 0
         try:
-            data = b"".join(bytes(d) for _, d in self.params.pull(
-                request.round_id, buffer, max(count, 1), timeout=timeout, wire=wire))
+            data = self.params.pull_whole(request.round_id, buffer, timeout, wire)
         except ParamError as exc:
             if timeout == 0 and exc.code == "DEADLINE_EXCEEDED":
                 return None  # not ready yet

@@ -36,7 +36,7 @@ import numpy as np
 from ..plane import bulk
 from ..plane.wire import Stalled, TransferError
 from ..proto import lsgd_pb2 as pb
-from ..wire import SMALL_VECTOR, aligned_empty, steady_heap, wire_dtype
+from ..wire import SMALL_VECTOR, aligned_empty, steady_heap, varint, wire_dtype
 
 log = logging.getLogger("lsgd.local_server.global_client")
 
@@ -137,9 +137,9 @@ class ParamTransfers:
                 elif not src.flags.c_contiguous:
                     src = np.ascontiguousarray(src)
                 data = src.view(np.uint8)  # raw bytes (also for dtypes without a buffer format)
-                inner = b"\x08" + _varint(lo) + b"\x12" + _varint(data.nbytes)
+                inner = b"\x08" + varint(lo) + b"\x12" + varint(data.nbytes)
                 # PushParamsRequest.chunk (field 2) = ParamChunk{offset (1), data (2)}
-                yield b"".join((b"\x12", _varint(len(inner) + data.nbytes), inner, data))
+                yield b"".join((b"\x12", varint(len(inner) + data.nbytes), inner, data))
 
         self._raw_push(requests(), timeout=self._timeout(), metadata=self._md)
         self.moved["grpc"] += 1
@@ -299,19 +299,7 @@ class ParamTransfers:
                         "gRPC only)", self.node_index, port, why)
 
 
-def _varint(v: int) -> bytes:
-    """Protobuf base-128 varint."""
-    if v < 0x80:
-        return bytes((v,))
-    out = bytearray()
-    while v >= 0x80:
-        out.append((v & 0x7F) | 0x80)
-        v >>= 7
-    out.append(v)
-    return bytes(out)
-
-
-def _read_varint(b: bytes, i: int) -> tuple[int, int]:
+def _readvarint(b: bytes, i: int) -> tuple[int, int]:
     v = shift = 0
     while True:
         if i >= len(b) or shift > 63:
@@ -329,14 +317,14 @@ def _parse_chunk(msg: bytes) -> tuple[int, int, int]:
     offset, start, nbytes = 0, 0, 0
     i = 0
     while i < len(msg):
-        key, i = _read_varint(msg, i)
+        key, i = _readvarint(msg, i)
         field, kind = key >> 3, key & 7
         if kind == 0:
-            v, i = _read_varint(msg, i)
+            v, i = _readvarint(msg, i)
             if field == 1:
                 offset = v
         elif kind == 2:
-            n, i = _read_varint(msg, i)
+            n, i = _readvarint(msg, i)
             if i + n > len(msg):
                 raise ValueError("truncated parameter chunk")
             if field == 2:
