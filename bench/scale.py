@@ -42,6 +42,7 @@ process (``bench/scale_aio.py``; they cost the host about half what the threads 
 ``--sessions both``: each count once with the nodes' streams on the synchronous server
 (``SESSION_PORT=0``) and once on the asyncio one, in the same run. ``--pin``: the server on the
 first CPU, the simulated nodes on the others, so that they do not take the server's core.
+``--params N``: N float32 elements in each exchanged vector (default 4096: 16 KiB).
 """
 
 from __future__ import annotations
@@ -684,23 +685,27 @@ def run(quick: bool) -> list[Result]:
 
 
 def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
-          sessions: tuple[int | None, ...] = (None,), pin: bool = False) -> list[dict[str, Any]]:
+          sessions: tuple[int | None, ...] = (None,), pin: bool = False,
+          params: int = PARAM_COUNT) -> list[dict[str, Any]]:
     """The paced scenario (20 ms steps: 320 ms of work per round) at each node count, 8 workers
     each, one fresh server per count: round latency, server CPU and calls per round as the job
     grows (issue 15's 64, 256 and 512 nodes). The simulated nodes' own CPU is reported too: on a
     small host it, not the server, may set the pace. ``nodes_on``: the simulated nodes' kind
     (``scale_aio.py``); ``sessions``: each count once per SESSION_PORT value given (0: the
-    streams on the synchronous server; None: the asyncio one), one after the other."""
+    streams on the synchronous server; None: the asyncio one), one after the other; ``params``:
+    the float32 elements of each exchanged vector."""
     rows = []
     with tempfile.TemporaryDirectory(prefix="lsgd-bench-scale-") as tmp:
         for n, session in [(n, s) for n in counts for s in sessions]:
             tag = {None: "", 0: "-sync"}.get(session, f"-session{session}")
             sc = Scenario(f"{n}x8-paced{tag}", nodes=n, workers=8, l_comm=16, g_comm=64,
                           rounds=rounds, step_ms=20.0, limit_s=300.0, join_timeout=120.0,
-                          node_timeout=30.0, nodes_on=nodes_on, session_port=session, pin=pin)
+                          node_timeout=30.0, nodes_on=nodes_on, session_port=session, pin=pin,
+                          param_count=params)
             m = run_scenario(sc, CLIENT_PROCS, Path(tmp))
             g = m["by_kind"].get("global", {})
-            row = {"nodes": n, "sessions": "sync" if session == 0 else "asyncio", "pinned": pin,
+            row = {"nodes": n, "params": params,
+                   "sessions": "sync" if session == 0 else "asyncio", "pinned": pin,
                    "nodes_on": nodes_on, "ok": m["ok"], "errors": m["error_count"],
                    "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
                    "global_p50_ms": g.get("p50_ms"), "global_p99_ms": g.get("p99_ms"),
@@ -775,6 +780,10 @@ def main(argv: list[str]) -> int:
             args = args[:k] + args[k + 2:]
         pin = "--pin" in args
         args = [a for a in args if a != "--pin"]
+        params = PARAM_COUNT
+        if "--params" in args:  # float32 elements per exchanged vector
+            k = args.index("--params")
+            params, args = int(args[k + 1]), args[:k] + args[k + 2:]
         counts = [int(a) for a in args] or [64, 256, 512]
         if against is not None:
             if pin:
@@ -782,7 +791,7 @@ def main(argv: list[str]) -> int:
                       "harness may not have it)", file=sys.stderr)
                 return 2
             return compare(counts, against, nodes_on)
-        rows = sweep(counts, nodes_on=nodes_on, sessions=sessions, pin=pin)
+        rows = sweep(counts, nodes_on=nodes_on, sessions=sessions, pin=pin, params=params)
         return 0 if all(r["ok"] for r in rows) else 1
     quick = "--quick" in argv
     t = time.monotonic()
