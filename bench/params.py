@@ -83,6 +83,7 @@ class TcpBaseline:
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.last: float | None = None  # the newest transfer's time, until something else ran
         self.buf = mmap.mmap(-1, NBYTES)
         np.frombuffer(self.buf, dtype=np.uint8)[:] = 7  # touched before timing
         self.view = memoryview(self.buf)
@@ -105,7 +106,13 @@ class TcpBaseline:
         if self.conn.recv(1) != b"k":
             raise RuntimeError("TCP receiver broke")
         self.times.append(time.perf_counter() - t0)
-        return self.times[-1]
+        self.last = self.times[-1]
+        return self.last
+
+    def apart(self) -> None:
+        """Something else ran since the last transfer: a ``Paired`` one needs one of its own
+        right before it."""
+        self.last = None
 
     def close(self) -> None:
         try:
@@ -127,32 +134,26 @@ class Paired:
     Loopback speed on a small VM drifts by half between minutes and comes in two clusters
     (docs/benchmarks.md), so a path's median against the run's median socket time depends on
     where each landed. Here each transfer is compared with the mean of the socket transfers
-    just before and just after it (shared with its neighbours), and the ratio reported is the
-    median of those per-transfer ratios.
+    just before and just after it (shared with the transfers next to it, of whichever path),
+    and the ratio reported is the median of those per-transfer ratios.
     """
 
     def __init__(self, tcp: TcpBaseline) -> None:
         self.tcp = tcp
         self.path_s: list[float] = []
         self.tcp_s: list[float] = []
-        self._before: float | None = None
 
     def time(self, transfer: Callable[[], None], keep: bool = True) -> None:
         """Run ``transfer`` between socket transfers; ``keep`` False: a warm-up, not counted."""
-        if self._before is None:
-            self._before = self.tcp.send()
+        before = self.tcp.last if self.tcp.last is not None else self.tcp.send()
+        self.tcp.last = None
         t0 = time.perf_counter()
         transfer()
         took = time.perf_counter() - t0
         after = self.tcp.send()
         if keep:
             self.path_s.append(took)
-            self.tcp_s.append((self._before + after) / 2)
-        self._before = after
-
-    def apart(self) -> None:
-        """Something else ran since the last socket transfer: the next needs its own."""
-        self._before = None
+            self.tcp_s.append((before + after) / 2)
 
     def ratios(self) -> list[float]:
         """Speed against the socket's, per transfer (above 1: faster than the socket)."""
@@ -496,6 +497,7 @@ def measure(quick: bool) -> dict[str, Any]:
         # of the socket's
         paired = {key: {way: Paired(tcp) for way in ("push", "pull")}
                   for key in ("bulk", "grpc", "bulk_mac")}
+        tcp.apart()
         for _ in range(batches):
             for bulk, key in ((True, "bulk"), (False, "grpc")):
                 path(bulk)
@@ -518,6 +520,7 @@ def measure(quick: bool) -> dict[str, Any]:
             clients[i].join(workers=1, param_count=N, algorithm="lsgd", num_groups=2,
                             connect_timeout=20)
         node = Node(clients)
+        tcp.apart()  # (a server was started since)
         for _ in range(batches):
             grpc_rounds(node, src, dst, 3, "float32", paired["bulk_mac"])
         out["bulk_mac"] = {way: p.summary() for way, p in paired["bulk_mac"].items()}
@@ -527,7 +530,7 @@ def measure(quick: bool) -> dict[str, Any]:
         plane = {key: Paired(tcp) for key in ("plane", "plane_mac")}
         for _ in range(batches):
             for key, secret in (("plane", None), ("plane_mac", BENCH_SECRET)):
-                plane[key].apart()  # (a process was started since)
+                tcp.apart()  # (a process was started since)
                 data_connection_rounds(src, 3, secret, plane[key])
         out.update({key: p.summary() for key, p in plane.items()})
         out["tcp_s"] = tcp.times

@@ -43,6 +43,8 @@ process (``bench/scale_aio.py``; they cost the host about half what the threads 
 (``SESSION_PORT=0``) and once on the asyncio one, in the same run. ``--pin``: the server on the
 first CPU, the simulated nodes on the others, so that they do not take the server's core.
 ``--params N``: N float32 elements in each exchanged vector (default 4096: 16 KiB).
+``--repeat K``: the sweep K times, then each count's spread over the runs (issue 15's p99 is a
+target for every run).
 """
 
 from __future__ import annotations
@@ -726,6 +728,28 @@ def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
     return rows
 
 
+def spread(rows: list[dict[str, Any]], goal_ms: float = 100.0) -> str:
+    """Each node count's runs of a repeated sweep (``--repeat``): how many had a p99 over all
+    rounds within ``goal_ms`` (issue 15: every run), and the range of each measure."""
+    lines = [f"| nodes | runs | ok | p99 <= {goal_ms:g} ms | p99, all rounds (ms) | global rounds "
+             "p99 | final round p99 | server CPU per round (s) |", "|---|---|---|---|---|---|---|---|"]
+
+    def span(xs: list[Any]) -> str:
+        xs = [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
+        return f"{min(xs):g}-{max(xs):g}" if xs else "-"
+
+    for n in sorted({r["nodes"] for r in rows}):
+        rs = [r for r in rows if r["nodes"] == n]
+        p99 = [r["p99_ms"] for r in rs]
+        within = sum(1 for r in rs if r["ok"] and r["p99_ms"] <= goal_ms)
+        lines.append(f"| {n} | {len(rs)} | {sum(r['ok'] for r in rs)} | {within} of {len(rs)} | "
+                     f"{', '.join(f'{x:.0f}' for x in p99)} | "
+                     f"{span([r['global_p99_ms'] for r in rs])} | "
+                     f"{span([r['final_p99_ms'] for r in rs])} | "
+                     f"{span([r['server_cpu_s_per_round'] for r in rs])} |")
+    return "\n".join(lines)
+
+
 def compare(counts: list[int], against: str, nodes_on: str = "threads") -> int:
     """The sweep of this checkout and of revision ``against`` (its own server, nodes and
     harness, from a git worktree), one after the other at each node count, so that both see the
@@ -780,10 +804,13 @@ def main(argv: list[str]) -> int:
             args = args[:k] + args[k + 2:]
         pin = "--pin" in args
         args = [a for a in args if a != "--pin"]
-        params = PARAM_COUNT
+        params, repeat = PARAM_COUNT, 1
         if "--params" in args:  # float32 elements per exchanged vector
             k = args.index("--params")
             params, args = int(args[k + 1]), args[:k] + args[k + 2:]
+        if "--repeat" in args:  # the whole sweep K times, then each count's spread
+            k = args.index("--repeat")
+            repeat, args = int(args[k + 1]), args[:k] + args[k + 2:]
         counts = [int(a) for a in args] or [64, 256, 512]
         if against is not None:
             if pin:
@@ -791,7 +818,11 @@ def main(argv: list[str]) -> int:
                       "harness may not have it)", file=sys.stderr)
                 return 2
             return compare(counts, against, nodes_on)
-        rows = sweep(counts, nodes_on=nodes_on, sessions=sessions, pin=pin, params=params)
+        rows = [r for _ in range(repeat)
+                for r in sweep(counts, nodes_on=nodes_on, sessions=sessions, pin=pin,
+                               params=params)]
+        if repeat > 1:
+            print(spread(rows))
         return 0 if all(r["ok"] for r in rows) else 1
     quick = "--quick" in argv
     t = time.monotonic()

@@ -165,7 +165,8 @@ def test_easgd_exchange_over_grpc_moves_the_center(server):
 @pytest.mark.parametrize("offset, size", [(0, 0), (5, 3), (300, 200), (1 << 40, 1)])
 def test_hand_framed_chunks_match_protobuf(offset, size):
     """The client's hand-written framing is the protobuf encoding of lsgd.proto's messages."""
-    from lsgd.local_server.transfer_client import _parse_chunk, _varint
+    from lsgd.local_server.transfer_client import _parse_chunk
+    from lsgd.wire import varint as _varint
 
     data = np.arange(size, dtype=np.float32).tobytes()
     msg = pb.ParamChunk(offset=offset, data=data).SerializeToString()

@@ -380,3 +380,27 @@ def test_a_rounds_leader_is_encoded_once_for_every_download_and_never_outlives_i
     store.push(0, 4, "global_leader", N, 0, [(0, second.tobytes())])
     c = store.pull_whole(4, "global_leader", 1.0)
     assert c == second.tobytes() and c is not a
+
+
+def test_a_stable_download_chunk_is_a_copy_that_a_write_meanwhile_leaves_alone():
+    """The bulk port with a secret sends each chunk from a copy (``stable``): a write to the
+    vector between a chunk's MAC and its send must not change the chunk (the node would take
+    the mismatch for a forgery); the download then ends ABORTED, as every download does."""
+    from lsgd.global_server.params import ParamStore
+
+    store = ParamStore(JobConfig(algorithm="lsgd").make_rule())
+    store.set_param_count(N)
+    first, second = _vector(), _vector() * 2
+    store.begin(3, RoundKind.GLOBAL, 0, {0: 1, 1: 1}, 5.0)
+    store.push(0, 3, "global_leader", N, 0, [(0, first.tobytes())])
+    for stable in (True, False):
+        chunks = store.pull(0, "global_leader", N // 4, 1.0, views=True, stable=stable)
+        _, view = next(chunks)
+        before = bytes(view)
+        assert before == first[: N // 4].tobytes()
+        store.begin(4 if stable else 5, RoundKind.GLOBAL, 0, {0: 1, 1: 1}, 5.0)
+        store.push(0, 4 if stable else 5, "global_leader", N, 0, [(0, second.tobytes())])
+        assert (bytes(view) == before) is stable  # a view of the vector itself changes
+        with pytest.raises(ParamError, match="changed during the download"):
+            list(chunks)
+        first, second = second, first

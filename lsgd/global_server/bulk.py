@@ -242,7 +242,12 @@ class _Handler:
                 return None
             request = pb.PullParamsRequest.FromString(req.body)
             self._admit(request.node)
-            count, item, chunks = s.give_download(request, req.chunk, self.context, views=True)
+            # Chunks go from the server's vector itself; with a secret, from a copy, so that a
+            # write meanwhile (a center delta, a slow node's download of an older round) cannot
+            # change a chunk between its MAC and its send: the download then ends ABORTED, as
+            # on gRPC, not with a MAC the node takes for a forgery.
+            count, item, chunks = s.give_download(request, req.chunk, self.context, views=True,
+                                                  stable=self.port.secret is not None)
             if not count:
                 raise bulk.BulkStatus(grpc.StatusCode.FAILED_PRECONDITION.value[0],
                                       "the job's model size is not known yet (node 0 has not "

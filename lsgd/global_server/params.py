@@ -434,12 +434,16 @@ class ParamStore(DeltaMixin, SavedParams):
 
     # ------------------------------------------------------------------ downloads
     def pull(self, round_id: int, buffer: str, chunk: int, timeout: float,
-             wire: str = "float32", views: bool = False) -> Iterator[tuple[int, bytes]]:
+             wire: str = "float32", views: bool = False,
+             stable: bool = False) -> Iterator[tuple[int, bytes]]:
         """Wait until ``buffer`` is ready for ``round_id`` (0: now), then yield its chunks.
 
         Chunks are (element offset, raw bytes in the ``wire`` encoding); with ``views``, a
         memoryview of the buffer (or of a staging buffer reused for the next chunk) instead of
-        a copy: the caller sends it before it asks for the next.
+        a copy: the caller sends it before it asks for the next. ``stable``: always the staging
+        buffer, which no write to the buffer can change while the caller reads it (a caller
+        that computes a MAC over a chunk, then sends it). A write during the download ends it
+        with ABORTED either way (round 0: the buffer's version moved; a round: the exchange).
         """
         dtype = _wire_dtype(wire)
         steady_heap()
@@ -447,10 +451,11 @@ class ParamStore(DeltaMixin, SavedParams):
             self._ready_or_raise(round_id, buffer, timeout)
             version = self.versions.get(buffer)
         src = self.buffers[SUM if buffer == AVERAGE else buffer]
-        stage = None if dtype == src.dtype else aligned_empty(min(chunk, src.size), dtype)
+        copy = dtype != src.dtype or (views and stable)
+        stage = aligned_empty(min(chunk, src.size), dtype) if copy else None
         for lo in range(0, src.size, chunk):
             part = src[lo : lo + chunk]
-            if stage is not None:  # encode (bfloat16: rounded to nearest even)
+            if stage is not None:  # encode (bfloat16: rounded to nearest even), or copy
                 np.copyto(stage[: part.size], part, casting="unsafe")
                 part = stage[: part.size]
             yield lo, (memoryview(part.view(np.uint8)) if views else part.tobytes())

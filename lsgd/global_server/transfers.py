@@ -175,11 +175,14 @@ class TransferRPCs:
 
     def give_download(self, request: pb.PullParamsRequest, chunk: int,
                       context: grpc.ServicerContext,
-                      views: bool = False) -> tuple[int, int, Iterator[tuple[int, bytes]]]:
+                      views: bool = False,
+                      stable: bool = False) -> tuple[int, int, Iterator[tuple[int, bytes]]]:
         """A download of ``request.buffer`` (not mail), checked now: (elements, 0 while the
-        job's model size is not known, bytes per element on the wire, the chunks). The chunks wait until the buffer is ready for the
-        round; a refusal then is ``context.abort`` too. ``views``: chunks are views of the
-        server's buffer (sent at once, before the next is asked for), not copies."""
+        job's model size is not known, bytes per element on the wire, the chunks). The chunks
+        wait until the buffer is ready for the round; a refusal then is ``context.abort`` too.
+        ``views``: chunks are views (sent at once, before the next is asked for), not copies:
+        of the server's buffer, or with ``stable`` of a staging buffer that no write changes
+        (``ParamStore.pull``)."""
         buffer, wire = self._download_checks(request, context)
         if not 1 <= chunk <= MAX_CHUNK:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -189,7 +192,8 @@ class TransferRPCs:
         def chunks() -> Iterator[tuple[int, bytes]]:
             try:
                 yield from self.params.pull(request.round_id, buffer, chunk,
-                                            timeout=self.round_timeout, wire=wire, views=views)
+                                            timeout=self.round_timeout, wire=wire, views=views,
+                                            stable=stable)
             except ParamError as exc:
                 _abort(context, exc)
 

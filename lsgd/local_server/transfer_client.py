@@ -299,7 +299,7 @@ class ParamTransfers:
                         "gRPC only)", self.node_index, port, why)
 
 
-def _readvarint(b: bytes, i: int) -> tuple[int, int]:
+def _read_varint(b: bytes, i: int) -> tuple[int, int]:
     v = shift = 0
     while True:
         if i >= len(b) or shift > 63:
@@ -317,14 +317,14 @@ def _parse_chunk(msg: bytes) -> tuple[int, int, int]:
     offset, start, nbytes = 0, 0, 0
     i = 0
     while i < len(msg):
-        key, i = _readvarint(msg, i)
+        key, i = _read_varint(msg, i)
         field, kind = key >> 3, key & 7
         if kind == 0:
-            v, i = _readvarint(msg, i)
+            v, i = _read_varint(msg, i)
             if field == 1:
                 offset = v
         elif kind == 2:
-            n, i = _readvarint(msg, i)
+            n, i = _read_varint(msg, i)
             if i + n > len(msg):
                 raise ValueError("truncated parameter chunk")
             if field == 2:
