@@ -560,3 +560,41 @@ def test_a_node_gone_while_its_stream_waits_in_a_barrier_gives_its_place_back_at
         a.close(), b.close()
     finally:
         srv.stop(0.5).wait(5)
+
+
+def test_a_stream_turned_away_before_its_opening_counted_is_opened_again(monkeypatch):
+    """Many nodes joining at once from one address: the session port keeps at most
+    ``pending_per_host`` connections from a host without their opening, and a newer one takes
+    the place of the oldest. A node whose new stream was turned away so (nothing it sent was
+    taken) opens another and its call goes through, not a CANCELLED call."""
+    from lsgd.global_server.admission import Limits
+    from lsgd.local_server import session_socket
+
+    cfg = JobConfig(num_groups=2, workers=2, job_id="job", algorithm="lsgd", l_comm=4, g_comm=8)
+    servicer = build_servicer(cfg)
+    srv, port = create_server("127.0.0.1:0", servicer, session_address="127.0.0.1:0",
+                              limits=Limits.for_job(2, 5.0, pending_per_host=1))
+    newer: list[socket.socket] = []
+    real_mac = session_socket.sw.opening_mac
+
+    def crowded(*args):  # right before the node's opening: a newer connection from its host
+        if not newer:
+            s = socket.create_connection(("127.0.0.1", servicer.session_port), timeout=5)
+            session_wire.read_hello(s.recv(session_wire.HELLO_SIZE, socket.MSG_WAITALL))
+            newer.append(s)  # accepted: the node's stream, older, was turned away
+        return real_mac(*args)
+
+    try:
+        a, b = _joined(f"127.0.0.1:{port}", 0), _joined(f"127.0.0.1:{port}", 1)
+        monkeypatch.setattr(session_socket.sw, "opening_mac", crowded)
+        g = a.acquire(consumed=0, late=0, released=0, want=4, last_round_seen=0, max_wait=0)
+        # turned away twice: the node's first stream, then the newer connection (the oldest
+        # then) when the node's second stream came
+        assert newer and servicer.admission.cancelled["crowded-host"] == 2
+        assert g.grant > 0 and servicer.coord.nodes[0].outstanding == g.grant
+        assert srv.sessions.open_sessions == 1
+        a.close(), b.close()
+    finally:
+        for s in newer:
+            s.close()
+        srv.stop(0.5).wait(5)

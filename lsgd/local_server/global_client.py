@@ -161,7 +161,8 @@ class GlobalClient:
         with self._call_lock:
             return self._stream_call(field, request, timeout)
 
-    def _stream_call(self, field: str, request, timeout: float):  # noqa: ANN001, ANN201
+    def _stream_call(self, field: str, request, timeout: float,  # noqa: ANN001, ANN201
+                     again: bool = True):
         with self._stream_lock:
             s = self._stream
             if s is None or s.ended or s.node.session != self.session:
@@ -175,6 +176,12 @@ class GlobalClient:
         try:
             return s.call(field, request.SerializeToString(), timeout)
         except grpc.RpcError as exc:
+            if (again and s.port and not s.replied and field != "push"
+                    and exc.code() == grpc.StatusCode.CANCELLED):
+                # The server ended the new stream before it took a call: its opening came
+                # after newer connections from this host (many nodes joining at once from one
+                # address) or late. Nothing was counted: once more on a new stream.
+                return self._stream_call(field, request, timeout, again=False)
             if not (s.port and s.broken and not s.answered and exc.code() in (
                     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)):
                 raise

@@ -59,6 +59,7 @@ class SocketSession:
         self.n = 0
         self.broken = False
         self.answered = False  # the server answered on it (its hello, a reply, a status)
+        self.replied = False  # the server replied to a call on it
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()  # close() from another thread
         self._timeout = 0.0  # the call in progress's
@@ -173,6 +174,7 @@ class SocketSession:
             self.close()
             raise
         self.answered = True
+        self.replied = self.replied or reply.n != 0
         if reply.n == 0 and reply.code:  # the server ended the stream with this status
             self.close()
             code = CODES.get(reply.code, grpc.StatusCode.UNKNOWN)
