@@ -120,8 +120,7 @@ class _Conn(asyncio.Protocol):
         """A reply: a message, or the parts of one encoded already (framed with one copy)."""
         if not self.over and self.transport is not None:
             parts = [reply.SerializeToString()] if isinstance(reply, pb.SessionReply) else reply
-            size = sum(len(p) for p in parts)
-            self.transport.write(b"".join([size.to_bytes(sw.LENGTH, "big"), *parts]))
+            self.transport.write(sw.frame(*parts))
 
     def end(self, code: grpc.StatusCode, details: str) -> None:
         """End the stream: its status (counted as a failed ``Session`` call), then close (a

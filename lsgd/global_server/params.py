@@ -476,13 +476,10 @@ class ParamStore(DeltaMixin, SavedParams):
                    if buffer == LEADER and round_id > 0 and ex is not None else None)
             if key is not None and whole is not None and whole[0] is ex and whole[1] == key:
                 return whole[2]
-            src = self.buffers[SUM if buffer == AVERAGE else buffer]
-            dtype = _wire_dtype(wire)
-            if dtype != src.dtype:  # encode (bfloat16: rounded to nearest even)
-                out = np.empty(src.size, dtype)
-                np.copyto(out, src, casting="unsafe")
-                src = out
-            data = src.tobytes()
+            # ``pull``'s one chunk, read while the lock is held (it is reentrant): no write
+            # can come between its checks and its bytes
+            data = b"".join(d for _, d in self.pull(round_id, buffer, self.param_count or 1,
+                                                    0.0, wire))
             if key is not None:
                 self._whole[wire] = (ex, key, data)
         return data

@@ -59,8 +59,9 @@ def read_hello(data: bytes) -> bytes:
     return data[len(MAGIC) + 1:]
 
 
-def frame(payload: bytes) -> bytes:
-    return len(payload).to_bytes(LENGTH, "big") + payload
+def frame(*parts: bytes) -> bytes:
+    """One message on the stream: its length, then ``parts`` (its encoding, in pieces)."""
+    return b"".join([sum(len(p) for p in parts).to_bytes(LENGTH, "big"), *parts])
 
 
 def opening_mac(key: bytes | None, server_nonce: bytes, opening: bytes) -> bytes:
