@@ -378,21 +378,23 @@ def _profile(pid: int, name: str) -> subprocess.Popen | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _phases(records: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Where a global round's time goes, median over the job's global rounds (ms): ``learn``,
+def _phases(records: list[dict[str, Any]], kind: str = "global") -> dict[str, float] | None:
+    """Where a round's time goes, median over the job's rounds of ``kind`` (ms): ``learn``,
     from the first node to the last learning of the round (the credit answers that name it);
-    ``answers``, from the first barrier answer to the last (the fan-out); ``exchange``, from
+    ``close``, from the last node learning of it to the first barrier answer (the last
+    reports, and the round's close); ``answers``, from the first barrier answer to the last (the fan-out); ``exchange``, from
     the last answer to the last node done (the leader's upload and the downloads after it)."""
     by: dict[int, list[dict[str, Any]]] = {}
     for r in records:
-        if r["kind"] == "global" and not r["missed"]:
+        if r["kind"] == kind and not r["missed"]:
             by.setdefault(r["id"], []).append(r)
-    spans: dict[str, list[float]] = {"learn": [], "answers": [], "exchange": []}
+    spans: dict[str, list[float]] = {"learn": [], "close": [], "answers": [], "exchange": []}
     for rs in by.values():
         learn = [r["learn"] for r in rs]
         answered = [r["learn"] + r["report_s"] for r in rs]
         done = [r["learn"] + r["latency_s"] for r in rs]
         spans["learn"].append(max(learn) - min(learn))
+        spans["close"].append(min(answered) - max(learn))
         spans["answers"].append(max(answered) - min(answered))
         spans["exchange"].append(max(done) - max(answered))
     if not by:
@@ -607,7 +609,7 @@ def _measure(sc: Scenario, nodes: list[dict[str, Any]], summary: dict[str, Any],
         "rounds_per_s": round(rounds / window, 2) if window and window > 0 else None,
         "p50_ms": round(_pct(lat, 50), 2), "p99_ms": round(_pct(lat, 99), 2),
         "max_ms": round(max(lat), 2) if lat else None, "by_kind": by_kind,
-        "global_phases_ms": _phases(records),
+        "global_phases_ms": _phases(records), "final_phases_ms": _phases(records, "final"),
         "server_cpu_pct": cpu.get("server"),
         "idle_longpoll_server_cpu_pct": idle_cpu, "idle_longpoll_window_s": idle_s,
         "client_cpu_pct": {k: v for k, v in cpu.items() if k != "server"},
@@ -722,6 +724,7 @@ def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
                                                      / 100 / m["rounds_per_s"], 3)
                                                if m["rounds_per_s"] else None),
                    "global_phases_ms": m["global_phases_ms"],
+                   "final_phases_ms": m["final_phases_ms"],
                    "load_before": round(os.getloadavg()[0], 2), "first_errors": m["errors"][:5]}
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -176,6 +176,25 @@ class Coordinator(Membership, JobStop):
         node.last_grant = grant  # also the later passes of a long-poll: the answer sent last
         return grant
 
+    def round_news(self, index: int, session: int, last_round_seen: int,
+                   now: float) -> Grant | None:
+        """What ``acquire`` answers a long-poll woken with nothing to count (no steps, no
+        ``seq``) when its news is a global or final round the node takes part in and has not
+        seen: the round, and no credits. None where anything else may apply (then ask
+        ``acquire``). Unlike ``acquire`` it does not advance time: the answer is the same,
+        and the 512 polls a round opening wakes at once need no 512 passes of ``tick`` (the
+        server's ticker and every other call make them)."""
+        rnd, node = self.round, self.nodes.get(index)
+        if (rnd is None or rnd.kind == RoundKind.LOCAL or self.stopped is not None
+                or node is None or node.session != session or node.needs_resume
+                or not node.alive or node.left or index not in rnd.expected
+                or max(node.last_round_seen, last_round_seen) >= rnd.id):
+            return None
+        node.last_seen = now
+        node.last_round_seen = max(node.last_round_seen, last_round_seen)
+        node.last_grant = Grant(round=rnd)
+        return node.last_grant
+
     def _acquire(self, node: NodeState, *, consumed: int, late: int, released: int,
                  want: int, last_round_seen: int, now: float) -> Grant:
         index = node.index

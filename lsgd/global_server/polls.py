@@ -47,6 +47,11 @@ class CreditPoll:
         if self._first:
             s._check(node)
             self._first = False
+        else:  # woken: most often by a round opening, the same answer for every node
+            news = s.coord.round_news(node.node_index, node.session, req.last_round_seen,
+                                      s.clock())
+            if news is not None:
+                return s.round_answer(news.round)
         grant = s._change(lambda: s.coord.acquire(
             node.node_index, node.session, want=req.want, last_round_seen=req.last_round_seen,
             now=s.clock(), **self._counts))

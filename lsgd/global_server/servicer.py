@@ -21,6 +21,7 @@ from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..rules.base import Exchange as ExchangeKind, RoundKind
 from . import session
 from .coordinator import Coordinator, CoordinatorError
+from .records import RoundState
 from .digests import WAIT as DIGEST_WAIT
 from .params import ParamError, ParamStore
 from .polls import CreditPoll, RoundBarrier
@@ -91,6 +92,7 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
         self.session_port = 0  # where nodes open their Session streams (0: this server's port)
         self.bulk_port = 0  # where nodes move parameter vectors (0: on gRPC only; bulk.py)
         self.bulk_server = None  # its BulkServer (bulk.py), for its counts
+        self._round_answer: tuple[tuple, pb.AcquireCreditsResponse] | None = None
 
     def state_dump(self) -> dict:
         """The coordinator's state, numbered (lock held)."""
@@ -287,6 +289,17 @@ class GlobalServicer(TransferRPCs, pb_grpc.GlobalServerServicer):
             return resp
 
         return self._call(context, beat)
+
+    def round_answer(self, rnd: RoundState) -> pb.AcquireCreditsResponse:
+        """The answer to a credit poll whose news is round ``rnd`` (``Coordinator.round_news``;
+        lock held): made once for every node it wakes, and never changed once made."""
+        key = (rnd.id, self.coord.done)
+        if self._round_answer is None or self._round_answer[0] != key:
+            resp = pb.AcquireCreditsResponse(counter=self.coord.done, epoch=self.epoch)
+            resp.round.id, resp.round.kind = rnd.id, int(rnd.kind)
+            resp.round.iteration = rnd.iteration
+            self._round_answer = (key, resp)
+        return self._round_answer[1]
 
     def _heartbeat_answer(self, index: int) -> pb.HeartbeatResponse:
         """The counter, the stop, and what a node's progress line shows (caller holds the lock)."""
