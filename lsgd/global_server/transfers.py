@@ -135,7 +135,7 @@ class TransferRPCs:
         wire = WIRES.get(h.wire_format)
         if wire is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown wire format {h.wire_format}")
-        self._call(context, lambda: (self._check(h.node),
+        self._look(context, lambda: (self._check(h.node),
                                      self.coord.heartbeat(h.node.node_index, h.node.session,
                                                           self.clock())))
         try:
@@ -160,7 +160,7 @@ class TransferRPCs:
             if not 1 <= chunk <= MAX_CHUNK:
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                               f"chunk_elements must be in 1..{MAX_CHUNK}, got {chunk}")
-            self._call(context, lambda: (self._check(request.node),
+            self._look(context, lambda: (self._check(request.node),
                                          self.coord.heartbeat(request.node.node_index,
                                                               request.node.session, self.clock())))
             yield from self._deliver_mail(request, chunk, context)
@@ -209,7 +209,7 @@ class TransferRPCs:
         if wire is None:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"unknown wire format {request.wire_format}")
-        self._call(context, lambda: (self._check(request.node),
+        self._look(context, lambda: (self._check(request.node),
                                      self.coord.heartbeat(request.node.node_index,
                                                           request.node.session, self.clock())))
         return buffer, wire
