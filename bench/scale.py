@@ -39,6 +39,8 @@ Standalone: ``PYTHONPATH=. python -m bench.scale [--quick] [--status]``;
 ``... --sweep 64 256 --against REV`` runs revision REV's sweep too, count by count, and prints
 the ratios. ``--nodes-on asyncio``: the simulated nodes as tasks of one event loop per client
 process (``bench/scale_aio.py``; they cost the host about half what the threads cost);
+``--nodes-on uvloop``: the same on uvloop's event loop (the ``bench`` extra), which takes the
+simulated nodes' core off the pace at 512 nodes (``rounds_cpu_pct`` shows each side's share);
 ``--sessions both``: each count once with the nodes' streams on the synchronous server
 (``SESSION_PORT=0``) and once on the asyncio one, in the same run. ``--pin``: the server on the
 first CPU, the simulated nodes on the others, so that they do not take the server's core.
@@ -49,6 +51,7 @@ target for every run).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -85,7 +88,7 @@ class Scenario:
     param_count: int = PARAM_COUNT
     late_join_s: float = 0.0  # the last node joins this late: the others long-poll meanwhile
     round_timeout: float = 30.0
-    nodes_on: str = "threads"  # the simulated nodes: "threads" (GlobalClient) or "asyncio"
+    nodes_on: str = "threads"  # the simulated nodes: "threads" (GlobalClient), "asyncio", "uvloop"
     session_port: int | None = None  # the server's SESSION_PORT (None: its default; 0: off)
     node_timeout: float = 10.0
     join_timeout: float = 60.0
@@ -283,7 +286,7 @@ def client_main(spec_path: str) -> int:
     _pin_from_env()
     spec = json.loads(Path(spec_path).read_text())
     sc = Scenario(**spec["scenario"])
-    if sc.nodes_on == "asyncio":
+    if sc.nodes_on in ("asyncio", "uvloop"):
         from bench.scale_aio import client_main as aio_main
 
         return aio_main(spec, sc)
@@ -402,14 +405,41 @@ def _phases(records: list[dict[str, Any]], kind: str = "global") -> dict[str, fl
     return {k: round(_pct([x * 1000 for x in v], 50), 1) for k, v in spans.items()}
 
 
+def _round_cpu(records: list[dict[str, Any]], sampler: "_Sampler",
+               kind: str) -> dict[str, float] | None:
+    """The CPU the server and the simulated nodes (all client processes together) used while
+    the job's rounds of ``kind`` ran, in % of one core: from the first node learning of each
+    round to the last done, over all such rounds (which side sets a round's pace)."""
+    spans: dict[int, list[float]] = {}
+    for r in records:
+        if r["kind"] == kind and not r["missed"]:
+            s = spans.setdefault(r["id"], [math.inf, -math.inf])
+            s[0], s[1] = min(s[0], r["learn"]), max(s[1], r["learn"] + r["latency_s"])
+    if not spans:
+        return None
+    used: dict[str, float] = {}
+    wall = sum(b - a for a, b in spans.values())
+    for name in sampler.pids:
+        side = "server" if name == "server" else "clients"
+        for a, b in spans.values():
+            x, y = sampler.at(name, a), sampler.at(name, b)
+            if x is None or y is None:
+                return None
+            used[side] = used.get(side, 0.0) + (y - x)
+    return {k: round(100.0 * v / wall, 1) for k, v in used.items()} if wall > 0 else None
+
+
 def _pct(values: list[float], q: float) -> float:
     import numpy as np
 
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+SAMPLE_EVERY = 0.01  # seconds: a 512-node round's phases take 20-60 ms each
+
+
 class _Sampler(threading.Thread):
-    """Samples (time, CPU seconds) of the server and client processes every 50 ms."""
+    """Samples (time, CPU seconds) of the server and client processes every ``SAMPLE_EVERY``."""
 
     def __init__(self, pids: dict[str, int]) -> None:
         super().__init__(daemon=True)
@@ -420,7 +450,7 @@ class _Sampler(threading.Thread):
     def run(self) -> None:
         while not self.halt.is_set():
             self.take()
-            self.halt.wait(0.05)
+            self.halt.wait(SAMPLE_EVERY)
 
     def take(self) -> None:
         row: dict[str, float] = {}
@@ -610,6 +640,7 @@ def _measure(sc: Scenario, nodes: list[dict[str, Any]], summary: dict[str, Any],
         "p50_ms": round(_pct(lat, 50), 2), "p99_ms": round(_pct(lat, 99), 2),
         "max_ms": round(max(lat), 2) if lat else None, "by_kind": by_kind,
         "global_phases_ms": _phases(records), "final_phases_ms": _phases(records, "final"),
+        "rounds_cpu_pct": {k: _round_cpu(records, sampler, k) for k in ("global", "final")},
         "server_cpu_pct": cpu.get("server"),
         "idle_longpoll_server_cpu_pct": idle_cpu, "idle_longpoll_window_s": idle_s,
         "client_cpu_pct": {k: v for k, v in cpu.items() if k != "server"},
@@ -725,6 +756,7 @@ def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
                                                if m["rounds_per_s"] else None),
                    "global_phases_ms": m["global_phases_ms"],
                    "final_phases_ms": m["final_phases_ms"],
+                   "rounds_cpu_pct": m["rounds_cpu_pct"],
                    "load_before": round(os.getloadavg()[0], 2), "first_errors": m["errors"][:5]}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -801,6 +833,14 @@ def main(argv: list[str]) -> int:
         if "--nodes-on" in args:
             k = args.index("--nodes-on")
             nodes_on, args = args[k + 1], args[:k] + args[k + 2:]
+            if nodes_on not in ("threads", "asyncio", "uvloop"):
+                print(f"bench.scale: --nodes-on {nodes_on}: one of threads, asyncio, uvloop",
+                      file=sys.stderr)
+                return 2
+            if nodes_on == "uvloop" and importlib.util.find_spec("uvloop") is None:
+                print("bench.scale: --nodes-on uvloop needs uvloop: pip install -e '.[bench]'",
+                      file=sys.stderr)
+                return 2
         if "--sessions" in args:  # "both": each count with the streams on each server
             k = args.index("--sessions")
             sessions = {"both": (0, None), "sync": (0,), "asyncio": (None,)}[args[k + 1]]

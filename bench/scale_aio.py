@@ -319,7 +319,8 @@ class _GrpcStream:
 
 
 def client_main(spec: dict[str, Any], sc: Any) -> int:
-    """A client process: every node of ``spec["nodes"]`` as a task of one event loop."""
+    """A client process: every node of ``spec["nodes"]`` as a task of one event loop (asyncio's,
+    or uvloop's for ``--nodes-on uvloop``)."""
     outs = [dict() for _ in spec["nodes"]]
 
     async def main() -> list[str]:
@@ -340,7 +341,12 @@ def client_main(spec: dict[str, Any], sc: Any) -> int:
                                                   "end of the job")
         return alive
 
-    alive = asyncio.run(main())
+    if sc.nodes_on == "uvloop":  # the same nodes on uvloop's event loop: less of the host
+        import uvloop
+
+        alive = uvloop.run(main())
+    else:
+        alive = asyncio.run(main())
     tmp = Path(spec["out"] + ".tmp")
     tmp.write_text(json.dumps({"nodes": outs, "alive": alive}, default=str))
     os.replace(tmp, spec["out"])
