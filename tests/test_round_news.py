@@ -84,6 +84,12 @@ def test_round_news_leaves_every_other_case_to_acquire():
     c.round.expected.discard(1)
     assert c.round_news(1, s[1], rid - 1, 0.0) is None  # not one of the round's nodes
     c.round.expected.add(1)
+    c.nodes[1].needs_resume = True
+    assert c.round_news(1, s[1], rid - 1, 0.0) is None  # a restarted server's: must reattach
+    c.nodes[1].needs_resume = False
+    c.round.closed = True
+    assert c.round_news(1, s[1], rid - 1, 0.0) is None  # closed: time may open the next one
+    c.round.closed = False
     c.halt("stopped by hand", 0.0)
     assert c.round_news(1, s[1], rid - 1, 0.0) is None  # a stopped job: acquire says so
 
@@ -130,3 +136,32 @@ def test_a_woken_polls_answer_is_the_one_a_full_request_makes_and_follows_the_co
         sv.coord.done += 1
         assert sv.round_answer(rnd).counter == full.counter + 1
         assert sv.round_answer(rnd) is sv.round_answer(rnd)  # made once per counter
+
+
+def test_a_retried_request_after_a_fast_answer_gets_that_answer_again():
+    c = make(num_groups=2, workers=2, l_comm=2, g_comm=4, local=False, iters=100)
+    s = join_all(c, 2)
+    seq = {0: 0, 1: 0}
+
+    def ask(i, consumed, seen):
+        seq[i] += 1
+        return c.acquire(i, s[i], consumed=consumed, late=0, released=0, want=100,
+                         last_round_seen=seen, now=0.0, seq=seq[i])
+
+    held = {i: ask(i, 0, 0).grant for i in (0, 1)}
+    while True:  # node 0 uses its credits until the rest of the period is node 1's
+        used = held[0]
+        a = ask(0, used, 0)
+        if a.wait:
+            break
+        held[0] = a.grant
+    while c.round is None:  # node 1's steps open the global round
+        held[1] = ask(1, held[1], 0).grant
+    rnd = c.round
+    assert rnd.kind == RoundKind.GLOBAL
+    done = c.done
+    news = c.round_news(0, s[0], 0, 0.0)  # node 0's poll wakes
+    assert news is not None and news.round is rnd
+    again = c.acquire(0, s[0], consumed=used, late=0, released=0, want=100,
+                      last_round_seen=0, now=0.0, seq=seq[0])  # its reply was lost: a retry
+    assert again == news and c.done == done  # the same answer, nothing counted twice

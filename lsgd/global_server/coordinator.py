@@ -181,11 +181,11 @@ class Coordinator(Membership, JobStop):
         """What ``acquire`` answers a long-poll woken with nothing to count (no steps, no
         ``seq``) when its news is a global or final round the node takes part in and has not
         seen: the round, and no credits. None where anything else may apply (then ask
-        ``acquire``). Unlike ``acquire`` it does not advance time: the answer is the same,
+        ``acquire``; a closed round, for one: time may open the next). Unlike ``acquire`` it does not advance time: the answer is the same,
         and the 512 polls a round opening wakes at once need no 512 passes of ``tick`` (the
         server's ticker and every other call make them)."""
         rnd, node = self.round, self.nodes.get(index)
-        if (rnd is None or rnd.kind == RoundKind.LOCAL or self.stopped is not None
+        if (rnd is None or rnd.kind == RoundKind.LOCAL or rnd.closed or self.stopped is not None
                 or node is None or node.session != session or node.needs_resume
                 or not node.alive or node.left or index not in rnd.expected
                 or max(node.last_round_seen, last_round_seen) >= rnd.id):
