@@ -47,11 +47,13 @@ first CPU, the simulated nodes on the others, so that they do not take the serve
 ``--params N``: N float32 elements in each exchanged vector (default 4096: 16 KiB).
 ``--repeat K``: the sweep K times, then each count's spread over the runs (issue 15's p99 is a
 target for every run).
+
+What a finished scenario's numbers are made of: ``bench/scale_measure.py``; the sweep and the
+command line: ``bench/scale_sweep.py``.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -67,7 +69,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.common import REPO, Result, cpu_seconds
+from bench.common import REPO, Result
+from bench.scale_measure import _measure, _Sampler
 
 TARGET = "2. global server scale"
 JOB_ID = "scale"
@@ -381,103 +384,6 @@ def _profile(pid: int, name: str) -> subprocess.Popen | None:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def _phases(records: list[dict[str, Any]], kind: str = "global") -> dict[str, float] | None:
-    """Where a round's time goes, median over the job's rounds of ``kind`` (ms): ``learn``,
-    from the first node to the last learning of the round (the credit answers that name it);
-    ``close``, from the last node learning of it to the first barrier answer (the last
-    reports, and the round's close); ``answers``, from the first barrier answer to the last (the fan-out); ``exchange``, from
-    the last answer to the last node done (the leader's upload and the downloads after it)."""
-    by: dict[int, list[dict[str, Any]]] = {}
-    for r in records:
-        if r["kind"] == kind and not r["missed"]:
-            by.setdefault(r["id"], []).append(r)
-    spans: dict[str, list[float]] = {"learn": [], "close": [], "answers": [], "exchange": []}
-    for rs in by.values():
-        learn = [r["learn"] for r in rs]
-        answered = [r["learn"] + r["report_s"] for r in rs]
-        done = [r["learn"] + r["latency_s"] for r in rs]
-        spans["learn"].append(max(learn) - min(learn))
-        spans["close"].append(min(answered) - max(learn))
-        spans["answers"].append(max(answered) - min(answered))
-        spans["exchange"].append(max(done) - max(answered))
-    if not by:
-        return None
-    return {k: round(_pct([x * 1000 for x in v], 50), 1) for k, v in spans.items()}
-
-
-def _round_cpu(records: list[dict[str, Any]], sampler: "_Sampler",
-               kind: str) -> dict[str, float] | None:
-    """The CPU the server and the simulated nodes (all client processes together) used while
-    the job's rounds of ``kind`` ran, in % of one core: from the first node learning of each
-    round to the last done, over all such rounds (which side sets a round's pace)."""
-    spans: dict[int, list[float]] = {}
-    for r in records:
-        if r["kind"] == kind and not r["missed"]:
-            s = spans.setdefault(r["id"], [math.inf, -math.inf])
-            s[0], s[1] = min(s[0], r["learn"]), max(s[1], r["learn"] + r["latency_s"])
-    if not spans:
-        return None
-    used: dict[str, float] = {}
-    wall = sum(b - a for a, b in spans.values())
-    for name in sampler.pids:
-        side = "server" if name == "server" else "clients"
-        for a, b in spans.values():
-            x, y = sampler.at(name, a), sampler.at(name, b)
-            if x is None or y is None:
-                return None
-            used[side] = used.get(side, 0.0) + (y - x)
-    return {k: round(100.0 * v / wall, 1) for k, v in used.items()} if wall > 0 else None
-
-
-def _pct(values: list[float], q: float) -> float:
-    import numpy as np
-
-    return float(np.percentile(values, q)) if values else float("nan")
-
-
-SAMPLE_EVERY = 0.01  # seconds: a 512-node round's phases take 20-60 ms each
-
-
-class _Sampler(threading.Thread):
-    """Samples (time, CPU seconds) of the server and client processes every ``SAMPLE_EVERY``."""
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        super().__init__(daemon=True)
-        self.pids = pids
-        self.samples: list[tuple[float, dict[str, float]]] = []
-        self.halt = threading.Event()
-
-    def run(self) -> None:
-        while not self.halt.is_set():
-            self.take()
-            self.halt.wait(SAMPLE_EVERY)
-
-    def take(self) -> None:
-        row: dict[str, float] = {}
-        for name, pid in self.pids.items():
-            try:
-                row[name] = cpu_seconds(pid)
-            except (OSError, IndexError, ValueError):
-                pass
-        self.samples.append((time.monotonic(), row))
-
-    def at(self, name: str, t: float) -> float | None:
-        """CPU seconds of ``name`` at time ``t`` (linear interpolation between samples)."""
-        pts = [(ts, row[name]) for ts, row in self.samples if name in row]
-        if not pts:
-            return None
-        if t <= pts[0][0]:
-            return pts[0][1]
-        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
-            if t0 <= t <= t1:
-                return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
-        return pts[-1][1]
-
-    def usage(self, name: str, t0: float, t1: float) -> float | None:
-        a, b = self.at(name, t0), self.at(name, t1)
-        return None if a is None or b is None or t1 <= t0 else 100.0 * (b - a) / (t1 - t0)
-
-
 def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
     """Run one simulated cluster against a fresh global server; returns its measurements."""
     run_dir = workdir / sc.name
@@ -579,80 +485,6 @@ def run_scenario(sc: Scenario, procs: int, workdir: Path) -> dict[str, Any]:
         _kill(server)
 
 
-def _measure(sc: Scenario, nodes: list[dict[str, Any]], summary: dict[str, Any], server_rc: int,
-             sampler: _Sampler, client_errors: list[str], server_log: str, procs: int) -> dict[str, Any]:
-    errors = client_errors + [e for n in nodes for e in n.get("errors", [])]
-    errors += [f"node {n['node']}: heartbeat: {n['heartbeat_fatal']}" for n in nodes
-               if n.get("heartbeat_fatal")]
-    warnings = [line for line in server_log.splitlines() if " WARNING " in line or " ERROR " in line]
-    records = [r for n in nodes for r in n.get("rounds", [])]
-    # A late report of a LOCAL round (the next period was used up first) only skips nothing:
-    # local rounds have no exchange. A missed GLOBAL/FINAL round is a failure.
-    missed = sum(1 for r in records if r["missed"] and r["kind"] != "local")
-    missed_local = sum(1 for r in records if r["missed"] and r["kind"] == "local")
-    lat = [r["latency_s"] * 1000 for r in records]
-    by_kind = {}
-    for kind in ("local", "global", "final"):
-        xs = [r["latency_s"] * 1000 for r in records if r["kind"] == kind]
-        # the control plane's part: until the round's answer (a global round's barrier), before
-        # the parameter exchange (on the star: the leader's downloads from the server)
-        rs = [r["report_s"] * 1000 for r in records if r["kind"] == kind]
-        if xs:
-            by_kind[kind] = {"n": len(xs), "p50_ms": round(_pct(xs, 50), 2),
-                             "p99_ms": round(_pct(xs, 99), 2), "max_ms": round(max(xs), 2),
-                             "answer_p50_ms": round(_pct(rs, 50), 2),
-                             "answer_p99_ms": round(_pct(rs, 99), 2)}
-    firsts = [n["first_grant"] for n in nodes if n.get("first_grant")]
-    finals = [n["rounds"][-1]["learn"] + n["rounds"][-1]["latency_s"] for n in nodes
-              if n.get("rounds") and n["rounds"][-1]["kind"] == "final"]
-    t0 = min(firsts) if firsts else None
-    t1 = max(finals) if finals else None
-    window = (t1 - t0) if t0 is not None and t1 is not None else float("nan")
-    rounds = summary.get("rounds", 0)
-    calls = summary.get("calls", {})
-    total_calls = sum(calls.values())
-    completed = sum(1 for n in nodes if n.get("left") and n.get("rounds")
-                    and n["rounds"][-1]["kind"] == "final")
-    # Rounds a node never heard of: possible for local rounds (no barrier), never for global.
-    seen = {n["node"]: len(n.get("rounds", [])) for n in nodes}
-    cpu = {name: (round(sampler.usage(name, t0, t1), 1) if t0 is not None and t1 is not None
-                  and sampler.usage(name, t0, t1) is not None else None)
-           for name in sampler.pids}
-    # Server CPU while all nodes but the late one long-poll and nothing can happen.
-    idle_cpu, idle_s = None, None
-    late = [n.get("joined") for n in nodes if n["node"] == sc.nodes - 1]
-    early = [n.get("joined") for n in nodes if n["node"] != sc.nodes - 1]
-    if sc.late_join_s and late and late[0] and early and all(early):
-        a, b = max(early) + 0.1, late[0] - 0.05
-        if b - a > 0.3 and sampler.usage("server", a, b) is not None:
-            idle_cpu, idle_s = round(sampler.usage("server", a, b), 1), round(b - a, 2)
-    ok = (not errors and missed == 0 and completed == sc.nodes and len(nodes) == sc.nodes
-          and summary.get("finished") is True and server_rc == 0 and rounds == sc.rounds
-          and summary.get("counter") == sc.iterations)
-    return {
-        "scenario": asdict(sc), "client_processes": procs, "ok": ok,
-        "errors": errors[:20], "error_count": len(errors), "missed_global_reports": missed,
-        "missed_local_reports": missed_local,
-        "server_warnings": warnings[:10], "server_warning_count": len(warnings),
-        "nodes_completed": completed, "server_rc": server_rc,
-        "rounds": rounds, "round_records": len(records), "window_s": round(window, 3),
-        "rounds_per_s": round(rounds / window, 2) if window and window > 0 else None,
-        "p50_ms": round(_pct(lat, 50), 2), "p99_ms": round(_pct(lat, 99), 2),
-        "max_ms": round(max(lat), 2) if lat else None, "by_kind": by_kind,
-        "global_phases_ms": _phases(records), "final_phases_ms": _phases(records, "final"),
-        "rounds_cpu_pct": {k: _round_cpu(records, sampler, k) for k in ("global", "final")},
-        "server_cpu_pct": cpu.get("server"),
-        "idle_longpoll_server_cpu_pct": idle_cpu, "idle_longpoll_window_s": idle_s,
-        "client_cpu_pct": {k: v for k, v in cpu.items() if k != "server"},
-        "calls": calls, "calls_per_round": round(total_calls / rounds, 1) if rounds else None,
-        "acquires_per_node_round": round(sum(n.get("acquires", 0) for n in nodes)
-                                         / max(1, sc.nodes * rounds), 2),
-        "counter": summary.get("counter"), "expected_counter": sc.iterations,
-        # A node may skip a local round (no barrier) if the others used the next period first.
-        "rounds_skipped": sum(sc.rounds - v for v in seen.values()),
-    }
-
-
 def run(quick: bool) -> list[Result]:
     """64 x 8 (and, full mode, a paced 64 x 8) against the 1 x 8 baseline; quick ~15 s, full ~1.5 min."""
     rounds = 24 if quick else 120
@@ -719,177 +551,7 @@ def run(quick: bool) -> list[Result]:
     return out
 
 
-def sweep(counts: list[int], rounds: int = 16, nodes_on: str = "threads",
-          sessions: tuple[int | None, ...] = (None,), pin: bool = False,
-          params: int = PARAM_COUNT) -> list[dict[str, Any]]:
-    """The paced scenario (20 ms steps: 320 ms of work per round) at each node count, 8 workers
-    each, one fresh server per count: round latency, server CPU and calls per round as the job
-    grows (issue 15's 64, 256 and 512 nodes). The simulated nodes' own CPU is reported too: on a
-    small host it, not the server, may set the pace. ``nodes_on``: the simulated nodes' kind
-    (``scale_aio.py``); ``sessions``: each count once per SESSION_PORT value given (0: the
-    streams on the synchronous server; None: the asyncio one), one after the other; ``params``:
-    the float32 elements of each exchanged vector."""
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="lsgd-bench-scale-") as tmp:
-        for n, session in [(n, s) for n in counts for s in sessions]:
-            tag = {None: "", 0: "-sync"}.get(session, f"-session{session}")
-            sc = Scenario(f"{n}x8-paced{tag}", nodes=n, workers=8, l_comm=16, g_comm=64,
-                          rounds=rounds, step_ms=20.0, limit_s=300.0, join_timeout=120.0,
-                          node_timeout=30.0, nodes_on=nodes_on, session_port=session, pin=pin,
-                          param_count=params)
-            m = run_scenario(sc, CLIENT_PROCS, Path(tmp))
-            g = m["by_kind"].get("global", {})
-            row = {"nodes": n, "params": params,
-                   "sessions": "sync" if session == 0 else "asyncio", "pinned": pin,
-                   "nodes_on": nodes_on, "ok": m["ok"], "errors": m["error_count"],
-                   "p50_ms": m["p50_ms"], "p99_ms": m["p99_ms"],
-                   "global_p50_ms": g.get("p50_ms"), "global_p99_ms": g.get("p99_ms"),
-                   "global_answer_p99_ms": g.get("answer_p99_ms"),
-                   "final_p99_ms": m["by_kind"].get("final", {}).get("p99_ms"),
-                   "rounds_per_s": m["rounds_per_s"], "server_cpu_pct": m["server_cpu_pct"],
-                   "server_cpu_s_per_round": (round(m["server_cpu_pct"] / 100 / m["rounds_per_s"], 3)
-                                              if m["server_cpu_pct"] and m["rounds_per_s"] else None),
-                   "calls_per_round": m["calls_per_round"], "calls": m["calls"],
-                   "client_cpu_pct": m["client_cpu_pct"],
-                   "clients_cpu_s_per_round": (round(sum(v or 0 for v in m["client_cpu_pct"].values())
-                                                     / 100 / m["rounds_per_s"], 3)
-                                               if m["rounds_per_s"] else None),
-                   "global_phases_ms": m["global_phases_ms"],
-                   "final_phases_ms": m["final_phases_ms"],
-                   "rounds_cpu_pct": m["rounds_cpu_pct"],
-                   "load_before": round(os.getloadavg()[0], 2), "first_errors": m["errors"][:5]}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return rows
-
-
-def spread(rows: list[dict[str, Any]], goal_ms: float = 100.0) -> str:
-    """Each node count's runs of a repeated sweep (``--repeat``): how many had a p99 over all
-    rounds within ``goal_ms`` (issue 15: every run), and the range of each measure."""
-    lines = [f"| nodes | runs | ok | p99 <= {goal_ms:g} ms | p99, all rounds (ms) | global rounds "
-             "p99 | final round p99 | server CPU per round (s) |", "|---|---|---|---|---|---|---|---|"]
-
-    def span(xs: list[Any]) -> str:
-        xs = [x for x in xs if isinstance(x, (int, float)) and not math.isnan(x)]
-        return f"{min(xs):g}-{max(xs):g}" if xs else "-"
-
-    for n in sorted({r["nodes"] for r in rows}):
-        rs = [r for r in rows if r["nodes"] == n]
-        p99 = [r["p99_ms"] for r in rs]
-        within = sum(1 for r in rs if r["ok"] and r["p99_ms"] <= goal_ms)
-        lines.append(f"| {n} | {len(rs)} | {sum(r['ok'] for r in rs)} | {within} of {len(rs)} | "
-                     f"{', '.join(f'{x:.0f}' for x in p99)} | "
-                     f"{span([r['global_p99_ms'] for r in rs])} | "
-                     f"{span([r['final_p99_ms'] for r in rs])} | "
-                     f"{span([r['server_cpu_s_per_round'] for r in rs])} |")
-    return "\n".join(lines)
-
-
-def compare(counts: list[int], against: str, nodes_on: str = "threads") -> int:
-    """The sweep of this checkout and of revision ``against`` (its own server, nodes and
-    harness, from a git worktree), one after the other at each node count, so that both see the
-    same host; then the ratios (this checkout / ``against``)."""
-    from bench.against import cell, json_rows, short, worktree
-
-    rev = short(against)
-    pairs = []
-    with worktree(rev) as tree:
-        for n in counts:
-            old = json_rows(["-m", "bench.scale", "--sweep", str(n), "--nodes-on", nodes_on],
-                            tree, tree)[0] | {"rev": rev}
-            print(json.dumps(old), flush=True)
-            new = sweep([n], nodes_on=nodes_on)[0] | {"rev": "this checkout"}
-            pairs.append((old, new))
-    print(f"\nthis checkout against {rev}, same host, one after the other:")
-    print("| nodes | result (old → new) | p99 round latency | global rounds p99 | final round p99 "
-          "| server CPU | CPU per round | calls per round |")
-    print("|---|---|---|---|---|---|---|---|")
-    for old, new in pairs:
-        ok = f"{'ok' if old['ok'] else 'failed'} → {'ok' if new['ok'] else 'failed'}"
-        print(f"| {new['nodes']} | {ok} ({old['errors']} → {new['errors']} errors) | "
-              f"{cell(old['p99_ms'], new['p99_ms'], ' ms')} | "
-              f"{cell(old.get('global_p99_ms'), new.get('global_p99_ms'), ' ms')} | "
-              f"{cell(old.get('final_p99_ms'), new.get('final_p99_ms'), ' ms')} | "
-              f"{cell(old['server_cpu_pct'], new['server_cpu_pct'], '%')} | "
-              f"{cell(old['server_cpu_s_per_round'], new['server_cpu_s_per_round'], ' s')} | "
-              f"{cell(old['calls_per_round'], new['calls_per_round'])} |")
-    return 0 if all(new["ok"] for _, new in pairs) else 1
-
-
-def main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "--client":
-        return client_main(argv[1])
-    if argv and argv[0] == "--sweep":
-        args = argv[1:]
-        against = None
-        if "--against" in args:
-            k = args.index("--against")
-            if k + 1 >= len(args):
-                print("bench.scale: --against needs a git revision, e.g. --against HEAD~3",
-                      file=sys.stderr)
-                return 2
-            against, args = args[k + 1], args[:k] + args[k + 2:]
-        nodes_on, sessions = "threads", (None,)
-        if "--nodes-on" in args:
-            k = args.index("--nodes-on")
-            nodes_on, args = args[k + 1], args[:k] + args[k + 2:]
-            if nodes_on not in ("threads", "asyncio", "uvloop"):
-                print(f"bench.scale: --nodes-on {nodes_on}: one of threads, asyncio, uvloop",
-                      file=sys.stderr)
-                return 2
-            if nodes_on == "uvloop" and importlib.util.find_spec("uvloop") is None:
-                print("bench.scale: --nodes-on uvloop needs uvloop: pip install -e '.[bench]'",
-                      file=sys.stderr)
-                return 2
-        if "--sessions" in args:  # "both": each count with the streams on each server
-            k = args.index("--sessions")
-            sessions = {"both": (0, None), "sync": (0,), "asyncio": (None,)}[args[k + 1]]
-            args = args[:k] + args[k + 2:]
-        pin = "--pin" in args
-        args = [a for a in args if a != "--pin"]
-        params, repeat = PARAM_COUNT, 1
-        if "--params" in args:  # float32 elements per exchanged vector
-            k = args.index("--params")
-            params, args = int(args[k + 1]), args[:k] + args[k + 2:]
-        if "--repeat" in args:  # the whole sweep K times, then each count's spread
-            k = args.index("--repeat")
-            repeat, args = int(args[k + 1]), args[:k] + args[k + 2:]
-        counts = [int(a) for a in args] or [64, 256, 512]
-        if against is not None:
-            if pin:
-                print("bench.scale: --pin does not go with --against (the other revision's "
-                      "harness may not have it)", file=sys.stderr)
-                return 2
-            return compare(counts, against, nodes_on)
-        rows = [r for _ in range(repeat)
-                for r in sweep(counts, nodes_on=nodes_on, sessions=sessions, pin=pin,
-                               params=params)]
-        if repeat > 1:
-            print(spread(rows))
-        return 0 if all(r["ok"] for r in rows) else 1
-    quick = "--quick" in argv
-    t = time.monotonic()
-    if "--status" in argv:
-        from bench.status_page import run_status
-
-        results = run_status(quick)
-        for r in results:
-            print(json.dumps(r.to_dict(), default=str))
-        print(f"total {time.monotonic() - t:.1f} s")
-        return 0 if results[0].met else 1
-    results = run(quick)
-    for r in results:
-        d = r.to_dict()
-        extra = d.pop("extra")
-        print(json.dumps(d))
-        if "64x8" in extra:
-            for name in ("64x8", "1x8", "64x8-paced"):
-                if name in extra:
-                    e = {k: v for k, v in extra[name].items() if k != "scenario"}
-                    print(f"  {name}: {json.dumps(e)}")
-    print(f"total {time.monotonic() - t:.1f} s")
-    return 0 if results[0].met else 1
-
-
 if __name__ == "__main__":
+    from bench.scale_sweep import main
+
     sys.exit(main(sys.argv[1:]))
