@@ -4,7 +4,6 @@ round's time goes (its phases), and the CPU of the server and the simulated node
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from dataclasses import asdict
@@ -15,16 +14,25 @@ from bench.common import cpu_seconds
 if TYPE_CHECKING:
     from bench.scale import Scenario
 
-def _phases(records: list[dict[str, Any]], kind: str = "global") -> dict[str, float] | None:
-    """Where a round's time goes, median over the job's rounds of ``kind`` (ms): ``learn``,
-    from the first node to the last learning of the round (the credit answers that name it);
-    ``close``, from the last node learning of it to the first barrier answer (the last
-    reports, and the round's close); ``answers``, from the first barrier answer to the last (the fan-out); ``exchange``, from
-    the last answer to the last node done (the leader's upload and the downloads after it)."""
+def _rounds(records: list[dict[str, Any]], kind: str) -> dict[int, list[dict[str, Any]]]:
+    """The records of the job's rounds of ``kind`` that were not missed, by round."""
     by: dict[int, list[dict[str, Any]]] = {}
     for r in records:
         if r["kind"] == kind and not r["missed"]:
             by.setdefault(r["id"], []).append(r)
+    return by
+
+
+def _phases(records: list[dict[str, Any]], kind: str = "global") -> dict[str, float] | None:
+    """Where a round's time goes, median over the job's rounds of ``kind`` (ms): ``learn``,
+    from the first node to the last learning of the round (the credit answers that name it);
+    ``close``, from the last node learning of it to the first barrier answer (the last
+    reports, and the round's close); ``answers``, from the first barrier answer to the last
+    (the fan-out); ``exchange``, from the last answer to the last node done (the leader's
+    upload and the downloads after it)."""
+    by = _rounds(records, kind)
+    if not by:
+        return None
     spans: dict[str, list[float]] = {"learn": [], "close": [], "answers": [], "exchange": []}
     for rs in by.values():
         learn = [r["learn"] for r in rs]
@@ -34,8 +42,6 @@ def _phases(records: list[dict[str, Any]], kind: str = "global") -> dict[str, fl
         spans["close"].append(min(answered) - max(learn))
         spans["answers"].append(max(answered) - min(answered))
         spans["exchange"].append(max(done) - max(answered))
-    if not by:
-        return None
     return {k: round(_pct([x * 1000 for x in v], 50), 1) for k, v in spans.items()}
 
 
@@ -44,23 +50,20 @@ def _round_cpu(records: list[dict[str, Any]], sampler: "_Sampler",
     """The CPU the server and the simulated nodes (all client processes together) used while
     the job's rounds of ``kind`` ran, in % of one core: from the first node learning of each
     round to the last done, over all such rounds (which side sets a round's pace)."""
-    spans: dict[int, list[float]] = {}
-    for r in records:
-        if r["kind"] == kind and not r["missed"]:
-            s = spans.setdefault(r["id"], [math.inf, -math.inf])
-            s[0], s[1] = min(s[0], r["learn"]), max(s[1], r["learn"] + r["latency_s"])
-    if not spans:
+    spans = [(min(r["learn"] for r in rs), max(r["learn"] + r["latency_s"] for r in rs))
+             for rs in _rounds(records, kind).values()]
+    wall = sum(b - a for a, b in spans)
+    if wall <= 0:
         return None
     used: dict[str, float] = {}
-    wall = sum(b - a for a, b in spans.values())
     for name in sampler.pids:
         side = "server" if name == "server" else "clients"
-        for a, b in spans.values():
+        for a, b in spans:
             x, y = sampler.at(name, a), sampler.at(name, b)
             if x is None or y is None:
                 return None
             used[side] = used.get(side, 0.0) + (y - x)
-    return {k: round(100.0 * v / wall, 1) for k, v in used.items()} if wall > 0 else None
+    return {k: round(100.0 * v / wall, 1) for k, v in used.items()}
 
 
 def _pct(values: list[float], q: float) -> float:

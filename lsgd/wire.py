@@ -27,6 +27,7 @@ GRPC_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
+
 def varint(v: int) -> bytes:
     """Protobuf base-128 varint (``v`` >= 0): for messages encoded around a large bytes
     field that is not copied through protobuf."""

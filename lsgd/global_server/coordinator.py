@@ -180,17 +180,21 @@ class Coordinator(Membership, JobStop):
                    now: float) -> Grant | None:
         """What ``acquire`` answers a long-poll woken with nothing to count (no steps, no
         ``seq``) when its news is a global or final round the node takes part in and has not
-        seen: the round, and no credits. None where anything else may apply (then ask
-        ``acquire``; a closed round, for one: time may open the next). Unlike ``acquire`` it does not advance time: the answer is the same,
-        and the 512 polls a round opening wakes at once need no 512 passes of ``tick`` (the
-        server's ticker and every other call make them)."""
-        rnd, node = self.round, self.nodes.get(index)
+        seen: the round, and no credits. None where anything else may apply, and ``acquire``
+        is asked instead (a closed round, for one: time may open the next). Unlike
+        ``acquire`` it does not advance time: the answer is the same, and the 512 polls a
+        round opening wakes at once need no 512 passes of ``tick`` (the server's ticker and
+        every other call make them)."""
+        rnd = self.round
         if (rnd is None or rnd.kind == RoundKind.LOCAL or rnd.closed or self.stopped is not None
-                or node is None or node.session != session or node.needs_resume
-                or not node.alive or node.left or index not in rnd.expected
-                or max(node.last_round_seen, last_round_seen) >= rnd.id):
+                or index not in rnd.expected):
             return None
-        node.last_seen = now
+        try:
+            node = self._node(index, session, now)  # a member, heard of now
+        except CoordinatorError:
+            return None  # acquire refuses it, saying why
+        if node.left or max(node.last_round_seen, last_round_seen) >= rnd.id:
+            return None
         node.last_round_seen = max(node.last_round_seen, last_round_seen)
         node.last_grant = Grant(round=rnd)
         return node.last_grant

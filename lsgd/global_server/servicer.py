@@ -21,10 +21,10 @@ from ..proto import lsgd_pb2_grpc as pb_grpc
 from ..rules.base import Exchange as ExchangeKind, RoundKind
 from . import session
 from .coordinator import Coordinator, CoordinatorError
-from .records import RoundState
 from .digests import WAIT as DIGEST_WAIT
 from .params import ParamError, ParamStore
 from .polls import CreditPoll, RoundBarrier
+from .records import RoundState
 from .routes import Routes
 from .rpcstats import RpcStats
 from .status import StatusBoard
